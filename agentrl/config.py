@@ -1,0 +1,370 @@
+"""Typed run configuration: pydantic v2 models, YAML files and dotted command-line overrides.
+
+Nothing here imports torch, Ray or vLLM, so parsing (and ``--help``/``--print-config``) is instant.
+Every model rejects unknown keys, and every error names the dotted path of the field at fault.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+__all__ = [
+    "AdvantageConfig",
+    "ClusterConfig",
+    "Config",
+    "ConfigError",
+    "EngineConfig",
+    "EnvConfig",
+    "EvalConfig",
+    "ImportanceSamplingConfig",
+    "KLConfig",
+    "LearnerConfig",
+    "LossConfig",
+    "MegatronConfig",
+    "ModelConfig",
+    "PackingConfig",
+    "RefitConfig",
+    "ReplayConfig",
+    "RolloutConfig",
+    "SFTConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "load_config",
+]
+
+
+class ConfigError(ValueError):
+    """A user-facing configuration mistake; the message names the dotted key and the fix."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class ModelConfig(Section):
+    path: str = ".cache/tiny-model"
+    """Hugging Face-format model directory (config.json, safetensors, tokenizer)."""
+    bootstrap_tiny: bool = False
+    """Create a tiny random Qwen2 model at `path` when it does not exist (`agentrl bootstrap-tiny`)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Parameter dtype of learner and engines. float32 on CPU keeps engine/learner logprobs equal."""
+
+
+class EnvConfig(Section):
+    id: str = "agentrl/Calculator-v0"
+    """Registered Gymnasium id of the training environment."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments passed to `gymnasium.make`."""
+    step_timeout_s: float = Field(30.0, gt=0)
+    """An env step that takes longer marks the episode failed."""
+
+
+class RolloutConfig(Section):
+    num_actors: int = Field(2, ge=1)
+    """Rollout actors; each runs many episodes concurrently."""
+    group_size: int = Field(8, ge=1)
+    """Episodes per task (G in GRPO); a group enters the replay queue when all are done."""
+    max_concurrent_groups: int = Field(4, ge=1)
+    """Groups in flight per rollout actor."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature. Off-policy correction assumes the learner scores at the same one."""
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_new_tokens: int = Field(64, ge=1)
+    """Tokens the policy may sample in one turn."""
+    max_turns: int = Field(4, ge=1)
+    """Assistant turns before the episode is truncated."""
+    max_total_tokens: int = Field(1024, ge=16)
+    """Trajectory length cap (prompt + all turns); longer episodes are truncated."""
+    seed_offset: int = 0
+    """Training tasks use env seeds `seed_offset + k`; eval seeds live elsewhere."""
+
+
+class EngineConfig(Section):
+    num_engines: int = Field(1, ge=1)
+    """vLLM engine actors."""
+    max_model_len: int = Field(2048, ge=64)
+    kv_cache_gib: float = Field(1.0, gt=0)
+    """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    enforce_eager: bool = True
+    max_num_seqs: int = Field(64, ge=1)
+    num_cpus: float = Field(1.0, gt=0)
+    """Ray CPUs reserved per engine actor."""
+    num_gpus: float = Field(0.0, ge=0)
+
+
+class ReplayConfig(Section):
+    capacity: int = Field(32, ge=1)
+    """Groups the queue holds; rollouts block (backpressure) when it is full."""
+    max_staleness: int = Field(1, ge=0)
+    """A consumed token was produced by weights at most this many learner steps old. 0 = on-policy."""
+    groups_per_step: int = Field(4, ge=1)
+    """Groups in one learner batch."""
+
+
+class ImportanceSamplingConfig(Section):
+    type: Literal["none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "gspo"] = (
+        "token_tis"
+    )
+    """Correction of the gap between the proximal policy and the behaviour policy (engine).
+    token_tis: per-token weight min(ratio, cap); seq_tis: product of token ratios, truncated;
+    seq_tis_geo: geometric mean, truncated; token_mask: drop tokens whose ratio is outside
+    [low, high] (icepop); seq_mask_geo: drop sequences whose geometric-mean ratio is outside
+    [low, high]; gspo: GSPO's sequence-level (geometric-mean) policy ratio."""
+    cap: float = Field(2.0, gt=0)
+    """Truncation cap C for the *_tis types."""
+    low: float = Field(0.5, ge=0)
+    """Lower bound of the kept band for the *_mask types."""
+    high: float = Field(2.0, gt=0)
+    """Upper bound of the kept band for the *_mask types."""
+
+    @model_validator(mode="after")
+    def _band(self) -> "ImportanceSamplingConfig":
+        if self.low >= self.high:
+            raise ValueError(f"low ({self.low}) must be below high ({self.high})")
+        return self
+
+
+class KLConfig(Section):
+    coef: float = Field(0.0, ge=0)
+    """Weight of the KL penalty to the reference policy; 0 disables it (no reference pass)."""
+    estimator: Literal["k1", "k2", "k3"] = "k3"
+
+
+class LossConfig(Section):
+    clip_low: float = Field(0.2, ge=0)
+    """PPO ratio lower clip: ratio >= 1 - clip_low."""
+    clip_high: float = Field(0.28, ge=0)
+    """PPO ratio upper clip (clip-higher): ratio <= 1 + clip_high."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip bound c > 1 for negative advantages; None disables it."""
+    proximal: Literal["recompute", "bypass"] = "recompute"
+    """recompute: ratio against the learner's own logprobs before the step; bypass: against the
+    behaviour logprobs (no recompute pass; IS correction is then the identity)."""
+    importance_sampling: ImportanceSamplingConfig = Field(default_factory=ImportanceSamplingConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
+    """How per-token losses become one number, normalized by global counts."""
+
+
+class AdvantageConfig(Section):
+    estimator: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
+    normalize_std: bool = True
+    """GRPO only: divide by the group's reward standard deviation."""
+    turn_discount: float = Field(1.0, ge=0, le=1)
+    """Discount of later turns' rewards for turn-level credit; 1.0 = whole-episode return."""
+    eps: float = Field(1e-6, gt=0)
+
+
+class PackingConfig(Section):
+    algorithm: Literal["mffd", "ffd", "none"] = "mffd"
+    """Bin packing of sequences into micro-batches; none = one padded sequence per row."""
+    max_tokens_per_microbatch: int = Field(4096, ge=16)
+    pad_multiple: int = Field(1, ge=1)
+    """Pad every sequence to a multiple of this (2*cp for context parallelism)."""
+    logprob_chunk_size: int = Field(1024, ge=1)
+    """Tokens per chunk when computing logprobs, so no full [T, vocab] float32 tensor exists."""
+
+
+class MegatronConfig(Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    context_parallel_size: int = Field(1, ge=1)
+    sequence_parallel: bool = False
+    activation_checkpointing: bool = False
+    use_distributed_optimizer: bool = True
+    overlap_grad_reduce: bool = False
+    grad_reduce_in_fp32: bool = True
+    attention: Literal["flex", "sdpa", "te"] = "flex"
+    """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
+    TransformerEngine's when it is importable."""
+
+
+class LearnerConfig(Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    lr: float = Field(1e-5, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    grad_clip: float = Field(1.0, gt=0)
+    num_gpus: int = Field(0, ge=0)
+    """Learner actors (one per GPU); 0 runs one learner on CPU."""
+    num_cpus: float = Field(1.0, gt=0)
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+
+
+class RefitConfig(Section):
+    interval: int = Field(1, ge=1)
+    """Learner steps between weight pushes to the engines."""
+    transport: Literal["object_store", "nccl", "cuda_ipc"] = "object_store"
+    mode: Literal["drain", "continue"] = "continue"
+    """drain: wait for in-flight requests before swapping weights; continue: pause, swap, and
+    resume them on the new weights (each token records the version that made it)."""
+
+
+class TrainConfig(Section):
+    num_steps: int = Field(10, ge=0)
+    checkpoint_dir: str | None = None
+    """Where checkpoints go; defaults to RUN_DIR/checkpoints."""
+    checkpoint_interval: int = Field(0, ge=0)
+    """Learner steps between checkpoints; 0 = only at the end."""
+    log_interval: int = Field(1, ge=1)
+
+
+class SFTConfig(Section):
+    num_demos: int = Field(2000, ge=1)
+    num_epochs: int = Field(3, ge=1)
+    lr: float = Field(3e-3, gt=0)
+    batch_tokens: int = Field(4096, ge=16)
+    output_dir: str = ".cache/sft-model"
+    """Where the warm-started model is written (HF format); reused when present."""
+
+
+class EvalConfig(Section):
+    num_episodes: int = Field(64, ge=0)
+    seed_offset: int = 1_000_000
+    """Held-out seeds start here; training seeds never reach it."""
+    temperature: float = Field(0.0, ge=0)
+
+
+class ClusterConfig(Section):
+    address: str | None = None
+    """Ray cluster to join; None starts a local one."""
+    num_cpus: int | None = None
+
+
+class Config(Section):
+    run_dir: str = "runs/default"
+    seed: int = 0
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    replay: ReplayConfig = Field(default_factory=ReplayConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    packing: PackingConfig = Field(default_factory=PackingConfig)
+    refit: RefitConfig = Field(default_factory=RefitConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> "Config":
+        mc = self.learner.megatron
+        if self.learner.backend == "megatron":
+            world = max(self.learner.num_gpus, 1)
+            model_parallel = mc.tensor_parallel_size * mc.pipeline_parallel_size * mc.context_parallel_size
+            if world % model_parallel:
+                raise ValueError(
+                    f"learner.num_gpus ({world}) must be a multiple of tensor_parallel_size * "
+                    f"pipeline_parallel_size * context_parallel_size ({model_parallel})"
+                )
+            need = 2 * mc.context_parallel_size * (mc.tensor_parallel_size if mc.sequence_parallel else 1)
+            if mc.context_parallel_size > 1 and self.packing.pad_multiple % need:
+                raise ValueError(
+                    f"packing.pad_multiple ({self.packing.pad_multiple}) must be a multiple of {need} "
+                    "(2 * context_parallel_size, times tensor_parallel_size with sequence_parallel)"
+                )
+        if self.rollout.max_total_tokens > self.engine.max_model_len:
+            raise ValueError(
+                f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds "
+                f"engine.max_model_len ({self.engine.max_model_len})"
+            )
+        if self.packing.max_tokens_per_microbatch < self.rollout.max_total_tokens and self.packing.algorithm != "none":
+            raise ValueError(
+                f"packing.max_tokens_per_microbatch ({self.packing.max_tokens_per_microbatch}) must hold "
+                f"the longest trajectory (rollout.max_total_tokens = {self.rollout.max_total_tokens})"
+            )
+        return self
+
+
+def _format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        path = ".".join(str(p) for p in e["loc"]) or "<root>"
+        if e["type"] == "extra_forbidden":
+            parent, _, key = path.rpartition(".")
+            known = _known_keys(parent)
+            hint = difflib.get_close_matches(key, known, n=1)
+            msg = f"unknown key '{path}'"
+            msg += f"; did you mean '{(parent + '.' if parent else '') + hint[0]}'?" if hint else ""
+            msg += f" (allowed: {', '.join(sorted(known))})" if known else ""
+        else:
+            given = e.get("input")
+            msg = f"{path}: {e['msg']} (given: {given!r})"
+        lines.append("  " + msg)
+    return "\n".join(lines)
+
+
+def _known_keys(dotted: str) -> list[str]:
+    model: type[BaseModel] = Config
+    for part in [p for p in dotted.split(".") if p]:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        model = ann
+    return list(model.model_fields)
+
+
+def _parse_value(text: str) -> Any:
+    # YAML scalars: "3" -> 3, "true" -> True, "null" -> None, "[1,2]" -> list; anything else a string.
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b.c=value` overrides to a nested dict (values parsed as YAML scalars)."""
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override '{item}' is not of the form dotted.key=value")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = _parse_value(value)
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Load a YAML config, apply dotted overrides and validate.
+
+    Example:
+        >>> cfg = load_config(None, ["replay.max_staleness=0"])
+        >>> cfg.replay.max_staleness
+        0
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file not found: {p}")
+        try:
+            loaded = yaml.safe_load(p.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{p} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{p} must hold a mapping of sections, got {type(loaded).__name__}")
+        data = loaded or {}
+        source = str(p)
+    data = apply_overrides(data, list(overrides or []))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err, source)) from None

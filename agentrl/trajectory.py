@@ -1,0 +1,98 @@
+"""Trajectories as the learner sees them: exactly the tokens the policy produced, plus what the
+off-policy correction needs (behaviour logprobs and the weight version of every sampled token)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = ["Trajectory", "TrajectoryGroup", "Status"]
+
+Status = Literal["ok", "truncated", "failed"]
+
+
+@dataclass
+class Trajectory:
+    """One episode as a flat token sequence.
+
+    All per-token lists have the same length. Prompt and observation tokens have
+    ``loss_mask == 0``, ``behavior_logprobs == 0.0`` and ``policy_versions == -1``; tokens the
+    engine sampled have ``loss_mask == 1``, the engine's logprob and the weight version that made
+    them. ``turn_spans`` gives the ``[start, end)`` token range of each assistant turn, and
+    ``turn_rewards`` the reward the env returned after that turn.
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    policy_versions: list[int]
+    turn_spans: list[tuple[int, int]] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    status: Status = "ok"
+    env_id: str = ""
+    seed: int = 0
+    num_tool_calls: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        n = len(self.token_ids)
+        if not (len(self.loss_mask) == len(self.behavior_logprobs) == len(self.policy_versions) == n):
+            raise ValueError(
+                f"per-token lists differ in length: token_ids={n}, loss_mask={len(self.loss_mask)}, "
+                f"behavior_logprobs={len(self.behavior_logprobs)}, policy_versions={len(self.policy_versions)}"
+            )
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def reward(self) -> float:
+        return float(sum(self.turn_rewards))
+
+    @property
+    def num_turns(self) -> int:
+        return len(self.turn_spans)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return int(sum(self.loss_mask))
+
+    @property
+    def min_version(self) -> int:
+        """Oldest weight version among sampled tokens (-1 when nothing was sampled)."""
+        sampled = [v for v, m in zip(self.policy_versions, self.loss_mask) if m]
+        return min(sampled) if sampled else -1
+
+    @property
+    def success(self) -> bool:
+        return bool(self.info.get("success", self.reward > 0))
+
+
+@dataclass
+class TrajectoryGroup:
+    """G episodes of the same task (env id + seed); the unit GRPO normalizes over."""
+
+    task_id: str
+    trajectories: list[Trajectory]
+    group_id: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.trajectories)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [t.reward for t in self.trajectories]
+
+    @property
+    def min_version(self) -> int:
+        versions = [t.min_version for t in self.trajectories if t.num_sampled_tokens]
+        return min(versions) if versions else -1
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(t) for t in self.trajectories)
+
+    def trainable(self) -> list[Trajectory]:
+        """Trajectories that may be trained on (failed episodes never are)."""
+        return [t for t in self.trajectories if t.status != "failed"]
