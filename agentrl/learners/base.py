@@ -1,0 +1,64 @@
+"""The learner contract and the backend registry.
+
+Every backend (the torch learner on CPU or small GPUs, the Megatron-Core learner on GPUs) exposes
+the same five operations, so the trainer, the actors and the tests never know which one runs.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from agentrl.config import Config
+    from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+__all__ = ["LEARNERS", "Learner", "build_learner"]
+
+
+@runtime_checkable
+class Learner(Protocol):
+    """What a learner backend provides.
+
+    ``version`` counts optimizer steps taken; it is the weight version the engines report after a
+    refit and the unit of the staleness bound.
+    """
+
+    version: int
+
+    def train_step(self, groups: list["TrajectoryGroup"]) -> dict[str, float]:
+        """One optimizer step on a batch of groups; returns namespaced metrics (``train/...``)."""
+        ...
+
+    def logprobs(self, trajectories: list["Trajectory"]) -> list[list[float]]:
+        """Per-token logprobs of each trajectory under the current weights (0.0 at position 0)."""
+        ...
+
+    def export_weights(self) -> dict[str, "torch.Tensor"]:
+        """Full (gathered) weights with Hugging Face parameter names, on CPU."""
+        ...
+
+    def save(self, path: str | Path) -> None:
+        """Model (Hugging Face format), optimizer, RNG and step counter."""
+        ...
+
+    def load(self, path: str | Path) -> None: ...
+
+
+# type string -> "module:Class"; imported only when selected, so core never imports Megatron.
+LEARNERS: dict[str, str] = {
+    "torch": "agentrl.learners.torch_learner:TorchLearner",
+    "megatron": "agentrl.learners.megatron.learner:MegatronLearner",
+}
+
+
+def build_learner(cfg: "Config", **kwargs: Any) -> Learner:
+    """Construct the learner backend named by ``cfg.learner.backend``."""
+    name = cfg.learner.backend
+    if name not in LEARNERS:
+        raise ValueError(f"learner.backend: unknown backend '{name}' (allowed: {', '.join(LEARNERS)})")
+    module, _, cls = LEARNERS[name].partition(":")
+    return getattr(importlib.import_module(module), cls)(cfg, **kwargs)
