@@ -164,8 +164,8 @@ class AdvantageConfig(Section):
 
 
 class PackingConfig(Section):
-    algorithm: Literal["mffd", "ffd", "none"] = "mffd"
-    """Bin packing of sequences into micro-batches; none = one padded sequence per row."""
+    algorithm: Literal["mffd", "ffd"] = "mffd"
+    """Bin packing of sequences into token-budget micro-batches."""
     max_tokens_per_microbatch: int = Field(4096, ge=16)
     pad_multiple: int = Field(1, ge=1)
     """Pad every sequence to a multiple of this (2*cp for context parallelism)."""
@@ -218,6 +218,8 @@ class TrainConfig(Section):
 
 
 class SFTConfig(Section):
+    enabled: bool = False
+    """`agentrl train` first runs (or reuses) the SFT warm start and starts RL from its output."""
     num_demos: int = Field(2000, ge=1)
     num_epochs: int = Field(3, ge=1)
     lr: float = Field(3e-3, gt=0)
@@ -279,7 +281,7 @@ class Config(Section):
                 f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds "
                 f"engine.max_model_len ({self.engine.max_model_len})"
             )
-        if self.packing.max_tokens_per_microbatch < self.rollout.max_total_tokens and self.packing.algorithm != "none":
+        if self.packing.max_tokens_per_microbatch < self.rollout.max_total_tokens:
             raise ValueError(
                 f"packing.max_tokens_per_microbatch ({self.packing.max_tokens_per_microbatch}) must hold "
                 f"the longest trajectory (rollout.max_total_tokens = {self.rollout.max_total_tokens})"

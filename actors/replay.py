@@ -1,0 +1,77 @@
+"""Ray actor around :class:`agentrl.replay.ReplayQueue`: "not now" answers become waiting."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import ray
+
+from agentrl.replay import ReplayQueue
+from agentrl.trajectory import TrajectoryGroup
+
+__all__ = ["ReplayActor"]
+
+
+@ray.remote
+class ReplayActor:
+    def __init__(self, capacity: int, max_staleness: int, groups_per_step: int) -> None:
+        self.queue = ReplayQueue(capacity, max_staleness, groups_per_step)
+        self._cond: asyncio.Condition | None = None
+
+    @property
+    def cond(self) -> asyncio.Condition:
+        if self._cond is None:  # created inside the actor's event loop
+            self._cond = asyncio.Condition()
+        return self._cond
+
+    async def admit(self) -> None:
+        """Wait for admission (staleness bound and capacity), then reserve a slot."""
+        async with self.cond:
+            await self.cond.wait_for(self.queue.can_admit)
+            self.queue.admit()
+
+    async def put(self, group: TrajectoryGroup) -> None:
+        async with self.cond:
+            self.queue.put(group)
+            self.cond.notify_all()
+
+    async def release(self) -> None:
+        async with self.cond:
+            self.queue.release()
+            self.cond.notify_all()
+
+    async def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup]:
+        async with self.cond:
+            batch: list[TrajectoryGroup] | None = None
+
+            def ready() -> bool:
+                nonlocal batch
+                batch = self.queue.take(num_groups, learner_version)
+                return batch is not None
+
+            await self.cond.wait_for(ready)
+            self.cond.notify_all()
+            return batch  # type: ignore[return-value]
+
+    async def set_weights_version(self, version: int) -> None:
+        async with self.cond:
+            self.queue.set_weights_version(version)
+            self.cond.notify_all()
+
+    def metrics(self) -> dict[str, float]:
+        return self.queue.metrics()
+
+    def length_histograms(self) -> dict[str, dict[int, int]]:
+        return {
+            "generated": dict(self.queue.stats.generated_lengths),
+            "consumed": dict(self.queue.stats.consumed_lengths),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.queue.state_dict()
+
+    async def load_state_dict(self, state: dict[str, Any]) -> None:
+        async with self.cond:
+            self.queue.load_state_dict(state)
+            self.cond.notify_all()

@@ -1,0 +1,139 @@
+"""Rollout actor: many groups of episodes at once, streamed into the replay queue.
+
+The router sends every turn of an episode to the engine that served its previous turn (its
+prefix is in that engine's cache) and a new episode to the least-loaded engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import anyio
+import ray
+
+from agentrl.config import Config
+
+__all__ = ["RolloutActor", "Router"]
+
+
+class Router:
+    """Sticky, least-loaded routing over engine actor handles."""
+
+    def __init__(self, engines: list[Any]) -> None:
+        self.engines = list(engines)
+        self.load = [0] * len(self.engines)
+        self.sticky: dict[str, int] = {}
+        self.num_sticky_hits = 0
+
+    def pick(self, episode_id: str) -> int:
+        if episode_id in self.sticky:
+            self.num_sticky_hits += 1
+            return self.sticky[episode_id]
+        i = min(range(len(self.engines)), key=lambda k: self.load[k])
+        self.sticky[episode_id] = i
+        return i
+
+    def end_episode(self, episode_id: str) -> None:
+        self.sticky.pop(episode_id, None)
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id):
+        i = self.pick(episode_id)
+        self.load[i] += 1
+        try:
+            return await self.engines[i].generate.remote(prompt_ids, max_tokens, temperature, top_p)
+        finally:
+            self.load[i] -= 1
+
+
+@ray.remote
+class RolloutActor:
+    def __init__(self, cfg: Config, engines: list[Any], replay: Any, actor_index: int, model_path: str) -> None:
+        import gymnasium as gym
+        from transformers import AutoTokenizer
+
+        import agentrl.envs  # noqa: F401  (registers the built-in envs)
+        from agentrl.chat import ChatRenderer
+
+        self.cfg = cfg
+        self.replay = replay
+        self.index = actor_index
+        self.router = Router(engines)
+        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path))
+        self.make_env = lambda: gym.make(cfg.env.id, **cfg.env.kwargs)
+        self.make_env().close()  # fail fast on a bad env id or kwargs
+        self._stop = False
+        self._tasks = itertools.count()
+        self.num_groups = 0
+        self.num_failed_groups = 0
+
+    def _next_seed(self) -> int:
+        k = next(self._tasks)
+        return self.cfg.rollout.seed_offset + k * self.cfg.rollout.num_actors + self.index
+
+    async def _worker(self) -> None:
+        from agentrl.rollout import run_group
+
+        while not self._stop:
+            await self.replay.admit.remote()
+            if self._stop:
+                await self.replay.release.remote()
+                return
+            seed = self._next_seed()
+            gid = seed
+            try:
+                group = await run_group(
+                    self.make_env, self.renderer, self.router, seed=seed, cfg=self.cfg.rollout,
+                    group_id=gid, env_timeout=self.cfg.env.step_timeout_s,
+                )
+            except Exception:
+                self.num_failed_groups += 1
+                await self.replay.release.remote()
+                continue
+            finally:
+                for i in range(self.cfg.rollout.group_size):
+                    self.router.end_episode(f"g{gid}-e{i}")
+            await self.replay.put.remote(group)
+            self.num_groups += 1
+
+    async def run(self) -> int:
+        """Generate groups until :meth:`stop`; returns the number of groups produced."""
+        async with anyio.create_task_group() as tg:
+            for _ in range(self.cfg.rollout.max_concurrent_groups):
+                tg.start_soon(self._worker)
+        return self.num_groups
+
+    def stop(self) -> None:
+        self._stop = True
+
+    async def evaluate(self, num_episodes: int, seed_offset: int, temperature: float) -> dict[str, float]:
+        """Held-out evaluation: one episode per seed, at ``temperature`` (0 = greedy)."""
+        from agentrl.rollout import run_group, summarize
+
+        results = []
+
+        async def one(k: int) -> None:
+            g = await run_group(
+                self.make_env, self.renderer, self.router, seed=seed_offset + k, cfg=self.cfg.rollout,
+                group_id=-(k + 1), env_timeout=self.cfg.env.step_timeout_s, temperature=temperature, num_episodes=1,
+            )
+            results.extend(g.trajectories)
+            self.router.end_episode(f"g{-(k + 1)}-e0")
+
+        limiter = anyio.CapacityLimiter(32)
+
+        async def limited(k: int) -> None:
+            async with limiter:
+                await one(k)
+
+        async with anyio.create_task_group() as tg:
+            for k in range(num_episodes):
+                tg.start_soon(limited, k)
+        return {k.replace("rollout/", "eval/"): v for k, v in summarize(results).items()}
+
+    def stats(self) -> dict[str, float]:
+        return {
+            f"rollout/actor{self.index}_groups": float(self.num_groups),
+            "rollout/sticky_hits": float(self.router.num_sticky_hits),
+            "rollout/failed_groups": float(self.num_failed_groups),
+        }

@@ -1,0 +1,103 @@
+"""`agentrl train | sft | eval | bootstrap-tiny | plot`.
+
+The config is parsed before heavy libraries are imported, so `--help` and `--print-config` are
+instant and config mistakes are reported before any actor starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from agentrl.config import ConfigError, load_config
+
+__all__ = ["main"]
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. replay.max_staleness=0")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="agentrl", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="async RL training from a config")
+    _config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+
+    p = sub.add_parser("sft", help="supervised warm start on an env's expert demonstrations")
+    _config_args(p)
+
+    p = sub.add_parser("eval", help="evaluate a model on held-out seeds of an env")
+    p.add_argument("--model", required=True, help="Hugging Face model directory")
+    p.add_argument("--env", default="agentrl/Calculator-v0", help="registered env id")
+    p.add_argument("--episodes", type=int, default=64)
+    p.add_argument("--seed-offset", type=int, default=1_000_000)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-turns", type=int, default=4)
+
+    p = sub.add_parser("bootstrap-tiny", help="write a tiny random Qwen2 model with tokenizer and chat template")
+    p.add_argument("dir")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("plot", help="write PNG plots of a run directory")
+    p.add_argument("run_dir")
+    return parser
+
+
+def _load(args: argparse.Namespace):
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(json.dumps(cfg.model_dump(mode="json"), indent=2))
+        sys.exit(0)
+    return cfg
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            cfg = _load(args)
+            from agentrl.pipeline import train
+
+            summary = train(cfg, resume=args.resume, progress=not args.no_progress)
+            print(json.dumps(summary, indent=2))
+        elif args.command == "sft":
+            cfg = _load(args)
+            from agentrl.sft import run_sft
+
+            print(run_sft(cfg))
+        elif args.command == "eval":
+            from agentrl.evaluate import evaluate_model
+
+            metrics = evaluate_model(
+                args.model, args.env, num_episodes=args.episodes, seed_offset=args.seed_offset,
+                temperature=args.temperature, max_turns=args.max_turns,
+            )
+            for key, value in metrics.items():
+                print(f"{key:28s} {value:.4f}")
+        elif args.command == "bootstrap-tiny":
+            from agentrl.tiny import bootstrap_tiny
+
+            print(bootstrap_tiny(args.dir, seed=args.seed))
+        elif args.command == "plot":
+            from agentrl.plot import plot_run
+
+            for path in plot_run(args.run_dir):
+                print(path)
+    except ConfigError as err:
+        print(f"agentrl: {err}", file=sys.stderr)
+        return 2
+    except FileNotFoundError as err:
+        print(f"agentrl: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

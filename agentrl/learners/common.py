@@ -1,0 +1,134 @@
+"""What every learner backend shares: groups to training samples, micro-batch planning with the
+packing module, and the loss on a packed micro-batch (packing undone around the loss)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from agentrl.advantages import trajectory_token_advantages
+from agentrl.losses import compute_policy_loss
+from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, unpack_padded
+
+if TYPE_CHECKING:
+    from agentrl.config import AdvantageConfig, LossConfig, PackingConfig
+    from agentrl.trajectory import TrajectoryGroup
+
+__all__ = [
+    "TrainSample",
+    "build_samples",
+    "global_counts",
+    "merge_metrics",
+    "microbatch_loss",
+    "pack_samples",
+    "plan_microbatches",
+]
+
+
+@dataclass
+class TrainSample:
+    """One trajectory as the learner consumes it (all lists per token, same length)."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    behavior_logprobs: list[float]
+    advantages: list[float]
+    policy_versions: list[int]
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+
+def build_samples(groups: list["TrajectoryGroup"], adv_cfg: "AdvantageConfig") -> list[TrainSample]:
+    """Advantages per group, then one sample per trainable trajectory with sampled tokens."""
+    samples = []
+    for group in groups:
+        for traj, adv in zip(group.trajectories, trajectory_token_advantages(group, adv_cfg)):
+            if traj.status == "failed" or traj.num_sampled_tokens == 0:
+                continue
+            samples.append(
+                TrainSample(traj.token_ids, traj.loss_mask, traj.behavior_logprobs, adv, traj.policy_versions)
+            )
+    return samples
+
+
+def global_counts(samples: list[TrainSample]) -> tuple[float, float]:
+    """(masked tokens, sequences) over the whole batch: the normalizers every micro-batch gets."""
+    return float(sum(sum(s.loss_mask) for s in samples)), float(len(samples))
+
+
+def plan_microbatches(samples: list[TrainSample], cfg: "PackingConfig", num_ranks: int = 1) -> list[list[list[int]]]:
+    """[rank][micro-batch] -> sample indices, by token budget."""
+    if not samples:
+        return [[] for _ in range(num_ranks)]
+    return make_microbatches(
+        [len(s) for s in samples],
+        cfg.max_tokens_per_microbatch,
+        algorithm=cfg.algorithm,
+        num_ranks=num_ranks,
+        pad_multiple=cfg.pad_multiple,
+    )
+
+
+def pack_samples(samples: list[TrainSample], indices: list[int], *, pad_multiple: int = 1, pad_id: int = 0) -> PackedBatch:
+    chosen = [samples[i] for i in indices]
+    return pack_sequences(
+        [s.token_ids for s in chosen],
+        {
+            "loss_mask": [s.loss_mask for s in chosen],
+            "behavior_logprobs": [s.behavior_logprobs for s in chosen],
+            "advantages": [s.advantages for s in chosen],
+        },
+        indices=indices,
+        pad_multiple=pad_multiple,
+        pad_id=pad_id,
+    )
+
+
+def microbatch_loss(
+    logprobs: torch.Tensor,
+    prox_logprobs: torch.Tensor | None,
+    packed: PackedBatch,
+    loss_cfg: "LossConfig",
+    *,
+    num_tokens: float,
+    num_sequences: float,
+    ref_logprobs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one packed micro-batch: unpack the flat [T] tensors to [N, L] and call the loss.
+
+    ``prox_logprobs`` None means bypass mode (the behaviour policy is the proximal policy).
+    """
+    def rows(flat: torch.Tensor) -> torch.Tensor:
+        return unpack_padded(flat.reshape(-1), packed)
+
+    logp = rows(logprobs.float())
+    behavior = rows(packed.fields["behavior_logprobs"].float())
+    prox = behavior if prox_logprobs is None else rows(prox_logprobs.float())
+    return compute_policy_loss(
+        logp,
+        prox.detach(),
+        behavior,
+        rows(packed.fields["advantages"].float()),
+        rows(packed.fields["loss_mask"].float()) > 0,
+        loss_cfg,
+        ref_logprobs=None if ref_logprobs is None else rows(ref_logprobs.float()),
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+    )
+
+
+def merge_metrics(per_microbatch: list[tuple[dict[str, torch.Tensor], float]]) -> dict[str, float]:
+    """Token-weighted mean of micro-batch metrics (``max`` for keys ending in ``_max``)."""
+    total = sum(w for _, w in per_microbatch) or 1.0
+    out: dict[str, float] = {}
+    for metrics, weight in per_microbatch:
+        for key, value in metrics.items():
+            v = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+            if key.endswith("_max"):
+                out[key] = max(out.get(key, float("-inf")), v)
+            else:
+                out[key] = out.get(key, 0.0) + v * weight / total
+    return out

@@ -1,0 +1,26 @@
+"""The main job: (bootstrap) -> (SFT warm start, cached) -> async RL -> held-out eval."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentrl.config import Config
+
+__all__ = ["train"]
+
+
+def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    from agentrl.trainer import Trainer, resolve_model_path
+
+    model_path = resolve_model_path(cfg)
+    summary: dict[str, Any] = {}
+    if cfg.sft.enabled:
+        from agentrl.sft import run_sft
+
+        model_path = str(run_sft(cfg))
+    trainer = Trainer(cfg, model_path=model_path, resume=resume, progress=progress)
+    try:
+        summary.update(trainer.run())
+    finally:
+        trainer.shutdown()
+    return summary

@@ -1,0 +1,178 @@
+"""Replay-queue logic: admission control, a hard staleness bound, capacity, batching.
+
+Pure and synchronous, so it can be tested as a state machine; ``agentrl.actors.replay`` wraps it
+in an async Ray actor that turns "not now" answers into waiting.
+
+Staleness is counted in learner steps: a group whose oldest sampled token was made by weights of
+version ``v`` has staleness ``learner_version - v`` when the learner takes it, and is consumed only
+if that is at most ``max_staleness``.
+
+Admission control keeps rollouts from running ahead: a rollout may start a new group only while
+``admitted < (weights_version + max_staleness + 1) * groups_per_step``, where ``weights_version``
+is the version the engines serve. With FIFO consumption of ``groups_per_step`` groups per step,
+the group admitted n-th is consumed at step ``n // groups_per_step``, so its staleness is at most
+``max_staleness`` by construction; the per-sample check at consumption catches everything else
+(slow refits, in-flight groups that straddle versions). ``max_staleness = 0`` is strictly
+on-policy: one batch is generated per weight version.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentrl.trajectory import TrajectoryGroup
+
+__all__ = ["ReplayQueue", "ReplayStats"]
+
+
+@dataclass
+class ReplayStats:
+    admitted: int = 0
+    put: int = 0
+    consumed: int = 0
+    dropped_stale: int = 0
+    released: int = 0
+    # Length histograms (tokens, bucketed by 256) of generated and consumed trajectories, so a
+    # bias against long episodes shows up.
+    generated_lengths: Counter = field(default_factory=Counter)
+    consumed_lengths: Counter = field(default_factory=Counter)
+
+
+class ReplayQueue:
+    """Bounded FIFO of trajectory groups with a staleness bound.
+
+    Args:
+        capacity: groups held at most; ``can_put`` is False when full (backpressure).
+        max_staleness: learner steps a consumed token may lag behind.
+        groups_per_step: groups in one learner batch.
+    """
+
+    def __init__(self, capacity: int, max_staleness: int, groups_per_step: int) -> None:
+        if capacity < groups_per_step:
+            raise ValueError(
+                f"replay.capacity ({capacity}) must hold at least one batch (replay.groups_per_step = {groups_per_step})"
+            )
+        self.capacity = capacity
+        self.max_staleness = max_staleness
+        self.groups_per_step = groups_per_step
+        self.weights_version = 0
+        self.in_flight = 0
+        self.queue: deque[TrajectoryGroup] = deque()
+        self.stats = ReplayStats()
+
+    # -- rollout side ---------------------------------------------------------------------------
+    @property
+    def admission_limit(self) -> int:
+        return (self.weights_version + self.max_staleness + 1) * self.groups_per_step
+
+    def can_admit(self) -> bool:
+        return self.stats.admitted - self.stats.dropped_stale - self.stats.released < self.admission_limit and (
+            len(self.queue) + self.in_flight < self.capacity
+        )
+
+    def admit(self) -> None:
+        """Reserve a slot for a group about to be generated."""
+        if not self.can_admit():
+            raise RuntimeError("admit() called while admission is closed; check can_admit() first")
+        self.stats.admitted += 1
+        self.in_flight += 1
+
+    def release(self) -> None:
+        """Give back a slot whose group was abandoned (engine died, shutdown)."""
+        if self.in_flight <= 0:
+            raise RuntimeError("release() without a matching admit()")
+        self.in_flight -= 1
+        self.stats.released += 1
+
+    def put(self, group: TrajectoryGroup) -> None:
+        """Add a finished group; it always fits, since admission reserved its place."""
+        if self.in_flight <= 0:
+            raise RuntimeError("put() without a matching admit()")
+        self.in_flight -= 1
+        self.queue.append(group)
+        self.stats.put += 1
+        for t in group.trajectories:
+            self.stats.generated_lengths[len(t) // 256 * 256] += 1
+
+    def set_weights_version(self, version: int) -> None:
+        if version < self.weights_version:
+            raise ValueError(f"weights version went backwards ({self.weights_version} -> {version})")
+        self.weights_version = version
+
+    # -- learner side ---------------------------------------------------------------------------
+    def staleness(self, group: TrajectoryGroup, learner_version: int) -> int:
+        return learner_version - group.min_version if group.min_version >= 0 else 0
+
+    def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup] | None:
+        """The oldest ``num_groups`` groups within the staleness bound, or None if not enough yet.
+
+        Groups over the bound at the head are dropped (counted) and give their slot back.
+        """
+        while self.queue and self.staleness(self.queue[0], learner_version) > self.max_staleness:
+            self.queue.popleft()
+            self.stats.dropped_stale += 1
+        fresh = [g for g in self.queue if self.staleness(g, learner_version) <= self.max_staleness]
+        if len(fresh) < num_groups:
+            return None
+        batch: list[TrajectoryGroup] = []
+        keep: deque[TrajectoryGroup] = deque()
+        for g in self.queue:
+            if len(batch) < num_groups and self.staleness(g, learner_version) <= self.max_staleness:
+                batch.append(g)
+            elif self.staleness(g, learner_version) > self.max_staleness:
+                self.stats.dropped_stale += 1
+            else:
+                keep.append(g)
+        self.queue = keep
+        self.stats.consumed += len(batch)
+        for g in batch:
+            for t in g.trajectories:
+                self.stats.consumed_lengths[len(t) // 256 * 256] += 1
+        return batch
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def metrics(self) -> dict[str, float]:
+        s = self.stats
+        return {
+            "replay/size": float(len(self.queue)),
+            "replay/in_flight": float(self.in_flight),
+            "replay/admitted": float(s.admitted),
+            "replay/consumed": float(s.consumed),
+            "replay/dropped_stale": float(s.dropped_stale),
+            "replay/released": float(s.released),
+            "replay/weights_version": float(self.weights_version),
+        }
+
+    # -- checkpointing --------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume: queued groups and counters (in-flight slots are not
+        saved; their groups are regenerated after a resume)."""
+        s = self.stats
+        return {
+            "queue": list(self.queue),
+            "weights_version": self.weights_version,
+            "stats": {
+                "admitted": s.admitted - self.in_flight,
+                "put": s.put,
+                "consumed": s.consumed,
+                "dropped_stale": s.dropped_stale,
+                "released": s.released,
+                "generated_lengths": dict(s.generated_lengths),
+                "consumed_lengths": dict(s.consumed_lengths),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.queue = deque(state["queue"])
+        self.weights_version = int(state["weights_version"])
+        st = state["stats"]
+        self.stats = ReplayStats(
+            admitted=st["admitted"], put=st["put"], consumed=st["consumed"], dropped_stale=st["dropped_stale"],
+            released=st["released"], generated_lengths=Counter(st["generated_lengths"]),
+            consumed_lengths=Counter(st["consumed_lengths"]),
+        )
+        self.in_flight = 0

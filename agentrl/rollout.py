@@ -1,0 +1,194 @@
+"""The async multi-turn episode loop: an engine client and a Gymnasium env, token in, token out.
+
+Each turn the engine samples tokens, which are appended exactly as sampled (loss mask 1, with
+their logprobs and weight versions); the text goes to ``env.step``; the observation messages are
+rendered as a token delta and appended (loss mask 0). Past turns are never re-rendered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import anyio
+
+from agentrl.chat import ChatRenderer
+from agentrl.config import RolloutConfig
+from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+__all__ = ["EngineClient", "EpisodeFailed", "run_episode", "run_group", "summarize"]
+
+
+class EngineClient(Protocol):
+    """What the episode loop needs from an engine (or a router over several)."""
+
+    async def generate(
+        self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float, episode_id: str
+    ) -> Any:  # GenerationResult: token_ids, logprobs, versions, finish_reason
+        ...
+
+
+class EpisodeFailed(RuntimeError):
+    """The env raised or timed out: the episode is never trained on."""
+
+
+@dataclass
+class _Episode:
+    ids: list[int]
+    mask: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    def extend(self, ids: list[int], *, sampled: bool, logprobs=None, versions=None) -> None:
+        self.ids += ids
+        self.mask += [1 if sampled else 0] * len(ids)
+        self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
+        self.versions += list(versions) if sampled else [-1] * len(ids)
+
+
+async def _env_call(fn: Callable, *args: Any, timeout: float, **kwargs: Any) -> Any:
+    try:
+        with anyio.fail_after(timeout):
+            return await anyio.to_thread.run_sync(lambda: fn(*args, **kwargs), abandon_on_cancel=True)
+    except TimeoutError:
+        raise EpisodeFailed(f"env call {getattr(fn, '__name__', fn)} exceeded {timeout:.1f}s") from None
+    except Exception as exc:  # an env bug must not take the rollout actor down
+        raise EpisodeFailed(f"env raised {type(exc).__name__}: {exc}") from exc
+
+
+async def _env_step(env: Any, action: str, timeout: float):
+    astep = getattr(env.unwrapped, "astep", None)
+    if astep is None:
+        return await _env_call(env.step, action, timeout=timeout)
+    try:
+        with anyio.fail_after(timeout):
+            return await astep(action)
+    except TimeoutError:
+        raise EpisodeFailed(f"env astep exceeded {timeout:.1f}s") from None
+    except Exception as exc:
+        raise EpisodeFailed(f"env raised {type(exc).__name__}: {exc}") from exc
+
+
+async def run_episode(
+    env: Any,
+    renderer: ChatRenderer,
+    client: EngineClient,
+    *,
+    seed: int,
+    cfg: RolloutConfig,
+    episode_id: str,
+    env_timeout: float = 30.0,
+    temperature: float | None = None,
+) -> Trajectory:
+    """Play one episode; never raises for env errors (the trajectory is marked ``failed``)."""
+    env_id = getattr(getattr(env, "spec", None), "id", "") or ""
+    traj_info: dict[str, Any] = {}
+    spans: list[tuple[int, int]] = []
+    rewards: list[float] = []
+    num_tool_calls = 0
+    status = "ok"
+    ep = _Episode([], [], [], [])
+    temp = cfg.temperature if temperature is None else temperature
+    try:
+        obs, info = await _env_call(env.reset, seed=seed, timeout=env_timeout)
+        ep.extend(renderer.prompt_ids(obs, info.get("tools")), sampled=False)
+        if len(ep.ids) >= cfg.max_total_tokens:
+            raise EpisodeFailed(f"prompt of {len(ep.ids)} tokens leaves no room (rollout.max_total_tokens)")
+        for turn in range(cfg.max_turns):
+            budget = min(cfg.max_new_tokens, cfg.max_total_tokens - len(ep.ids))
+            out = await client.generate(
+                ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id
+            )
+            start = len(ep.ids)
+            ep.extend(out.token_ids, sampled=True, logprobs=out.logprobs, versions=out.versions)
+            spans.append((start, len(ep.ids)))
+            text = renderer.decode(out.token_ids)
+            obs, reward, terminated, truncated, step_info = await _env_step(env, text, env_timeout)
+            rewards.append(float(reward))
+            num_tool_calls += int(step_info.get("num_tool_calls", 0))
+            traj_info.update({k: v for k, v in step_info.items() if k in ("success", "error", "answer")})
+            if terminated:
+                break
+            if truncated or turn == cfg.max_turns - 1:
+                status = "truncated"
+                break
+            # Close an assistant turn that hit max_tokens, then the observation delta.
+            closing = [] if out.token_ids and out.token_ids[-1] == renderer.eos_token_id else [renderer.eos_token_id]
+            delta = closing + renderer.observation_delta_ids(obs)
+            if len(ep.ids) + len(delta) >= cfg.max_total_tokens:
+                status = "truncated"
+                break
+            ep.extend(delta, sampled=False)
+    except EpisodeFailed as exc:
+        status = "failed"
+        traj_info["error"] = str(exc)
+    if status != "failed":
+        traj_info.setdefault("success", bool(traj_info.get("success", False)))
+    return Trajectory(
+        token_ids=ep.ids,
+        loss_mask=ep.mask,
+        behavior_logprobs=ep.logprobs,
+        policy_versions=ep.versions,
+        turn_spans=spans,
+        turn_rewards=rewards if rewards else [0.0],
+        status=status,  # type: ignore[arg-type]
+        env_id=env_id,
+        seed=seed,
+        num_tool_calls=num_tool_calls,
+        info=traj_info,
+    )
+
+
+async def run_group(
+    make_env: Callable[[], Any],
+    renderer: ChatRenderer,
+    client: EngineClient,
+    *,
+    seed: int,
+    cfg: RolloutConfig,
+    group_id: int = 0,
+    env_timeout: float = 30.0,
+    temperature: float | None = None,
+    num_episodes: int | None = None,
+) -> TrajectoryGroup:
+    """G episodes of the same task (same env seed), concurrently."""
+    n = num_episodes or cfg.group_size
+    results: list[Trajectory | None] = [None] * n
+
+    async def one(i: int) -> None:
+        env = make_env()
+        try:
+            results[i] = await run_episode(
+                env, renderer, client, seed=seed, cfg=cfg, episode_id=f"g{group_id}-e{i}",
+                env_timeout=env_timeout, temperature=temperature,
+            )
+        finally:
+            try:
+                env.close()
+            except Exception:
+                pass
+
+    async with anyio.create_task_group() as tg:
+        for i in range(n):
+            tg.start_soon(one, i)
+    trajs = [t for t in results if t is not None]
+    return TrajectoryGroup(task_id=f"{trajs[0].env_id if trajs else ''}#{seed}", trajectories=trajs, group_id=group_id)
+
+
+def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
+    """Rollout metrics over finished trajectories."""
+    if not trajectories:
+        return {}
+    ok = [t for t in trajectories if t.status != "failed"]
+    n = max(len(ok), 1)
+    return {
+        "rollout/reward": sum(t.reward for t in ok) / n,
+        "rollout/success": sum(t.success for t in ok) / n,
+        "rollout/turns": sum(t.num_turns for t in ok) / n,
+        "rollout/tool_calls": sum(t.num_tool_calls for t in ok) / n,
+        "rollout/tool_use_rate": sum(t.num_tool_calls > 0 for t in ok) / n,
+        "rollout/tokens": sum(len(t) for t in ok) / n,
+        "rollout/failed_frac": (len(trajectories) - len(ok)) / len(trajectories),
+        "rollout/truncated_frac": sum(t.status == "truncated" for t in ok) / n,
+    }
+

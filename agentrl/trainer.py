@@ -1,0 +1,215 @@
+"""The driver: builds the actors from a config and runs the asynchronous training loop.
+
+Rollout actors generate groups continuously into the replay queue (admission-controlled by the
+staleness bound); the driver takes batches, has the learner step, refits the engines every
+``refit.interval`` steps, logs, and checkpoints. Nothing imports this module but the CLI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from agentrl.config import Config, ConfigError
+from agentrl.metrics import MetricsLogger
+from agentrl.rollout import summarize
+
+__all__ = ["Trainer", "resolve_model_path"]
+
+
+def resolve_model_path(cfg: Config) -> str:
+    """The model directory to start from; bootstraps the tiny model if asked. Raises ConfigError
+    before any actor starts when the path is missing."""
+    path = Path(cfg.model.path)
+    if not (path / "config.json").is_file():
+        if cfg.model.bootstrap_tiny:
+            from agentrl.tiny import bootstrap_tiny
+
+            bootstrap_tiny(path, seed=cfg.seed)
+        else:
+            raise ConfigError(
+                f"model.path: '{path}' is not a Hugging Face model directory (no config.json). "
+                "Point it at a local checkpoint, or set model.bootstrap_tiny=true to create a tiny model there."
+            )
+    return str(path)
+
+
+class Trainer:
+    """Owns the actors of one run.
+
+    Args:
+        cfg: validated run config.
+        model_path: start from this model instead of ``cfg.model.path`` (e.g. the SFT warm start).
+        resume: continue from the last checkpoint in the checkpoint directory.
+    """
+
+    def __init__(self, cfg: Config, *, model_path: str | None = None, resume: bool = False, progress: bool = True) -> None:
+        self.cfg = cfg
+        self.model_path = model_path or resolve_model_path(cfg)
+        self.resume = resume
+        self.progress = progress
+        self.run_dir = Path(cfg.run_dir)
+        self.ckpt_dir = Path(cfg.train.checkpoint_dir or self.run_dir / "checkpoints")
+        self.step = 0
+        self.version = 0
+        self.actors_started = False
+
+    # -- actors -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        from agentrl.actors.engine import EngineActor
+        from agentrl.actors.learner import LearnerActor
+        from agentrl.actors.replay import ReplayActor
+        from agentrl.actors.rollout import RolloutActor
+
+        cfg = self.cfg
+        if not ray.is_initialized():
+            ray.init(
+                address=cfg.cluster.address,
+                num_cpus=cfg.cluster.num_cpus if cfg.cluster.address is None else None,
+                include_dashboard=False,
+                log_to_driver=os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
+                configure_logging=False,
+            )
+        self.replay = ReplayActor.options(num_cpus=0).remote(
+            cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step
+        )
+        self.engines = [
+            EngineActor.options(num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus).remote(
+                self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i
+            )
+            for i in range(cfg.engine.num_engines)
+        ]
+        self.learner = LearnerActor.options(num_cpus=cfg.learner.num_cpus, num_gpus=min(cfg.learner.num_gpus, 1)).remote(
+            cfg, self.model_path
+        )
+        ray.get([e.start.remote() for e in self.engines])
+        if self.resume:
+            self._restore()
+        self.rollouts = [
+            RolloutActor.options(num_cpus=0).remote(cfg, self.engines, self.replay, i, self.model_path)
+            for i in range(cfg.rollout.num_actors)
+        ]
+        self.actors_started = True
+
+    def refit(self) -> float:
+        """Push the learner's weights to every engine (through the Ray object store)."""
+        t0 = time.perf_counter()
+        weights = self.learner.export_weights.remote()  # an ObjectRef: stored once, read by each engine
+        ray.get([e.update_weights.remote(weights, self.version, self.cfg.refit.mode) for e in self.engines])
+        ray.get(self.replay.set_weights_version.remote(self.version))
+        return time.perf_counter() - t0
+
+    def evaluate(self, label: str) -> dict[str, float]:
+        ev = self.cfg.eval
+        metrics = ray.get(self.rollouts[0].evaluate.remote(ev.num_episodes, ev.seed_offset, ev.temperature))
+        return {k.replace("eval/", f"eval_{label}/"): v for k, v in metrics.items()}
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        path = self.ckpt_dir / f"step_{self.step:06d}"
+        tmp = path.with_name(path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        ray.get(self.learner.save.remote(str(tmp / "learner")))
+        with open(tmp / "replay.pkl", "wb") as f:
+            pickle.dump(ray.get(self.replay.state_dict.remote()), f)
+        (tmp / "trainer.json").write_text(json.dumps({"step": self.step, "version": self.version}))
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)  # a crash mid-save never leaves a half checkpoint under the real name
+        (self.ckpt_dir / "latest").write_text(path.name)
+        return path
+
+    def _restore(self) -> None:
+        latest = self.ckpt_dir / "latest"
+        if not latest.is_file():
+            raise ConfigError(f"--resume: no checkpoint in {self.ckpt_dir} (train.checkpoint_dir)")
+        path = self.ckpt_dir / latest.read_text().strip()
+        meta = json.loads((path / "trainer.json").read_text())
+        self.step, self.version = int(meta["step"]), int(meta["version"])
+        ray.get(self.learner.load.remote(str(path / "learner")))
+        with open(path / "replay.pkl", "rb") as f:
+            ray.get(self.replay.load_state_dict.remote(pickle.load(f)))
+        self.refit()
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        logger = MetricsLogger(self.run_dir)
+        (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
+        summary: dict[str, Any] = {}
+        try:
+            if not self.actors_started:
+                self.start()
+            if cfg.eval.num_episodes and not self.resume:
+                before = self.evaluate("before")
+                logger.log(self.step, before)
+                summary.update(before)
+            runs = [r.run.remote() for r in self.rollouts]
+            summary.update(self._loop(logger))
+            for r in self.rollouts:
+                r.stop.remote()
+            if cfg.eval.num_episodes:
+                after = self.evaluate("after")
+                logger.log(self.step, after)
+                summary.update(after)
+            del runs
+        finally:
+            logger.close()
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+        return summary
+
+    def _loop(self, logger: MetricsLogger) -> dict[str, Any]:
+        from agentrl.progress import TrainProgress
+
+        cfg = self.cfg
+        last: dict[str, Any] = {}
+        t_start = time.perf_counter()
+        with TrainProgress(cfg.train.num_steps, start=self.step, enabled=self.progress) as bar:
+            while self.step < cfg.train.num_steps:
+                t0 = time.perf_counter()
+                groups = ray.get(self.replay.take.remote(cfg.replay.groups_per_step, self.version))
+                t1 = time.perf_counter()
+                metrics = ray.get(self.learner.train_step.remote(groups))
+                t2 = time.perf_counter()
+                self.version += 1
+                self.step += 1
+                refit_s = self.refit() if self.version % cfg.refit.interval == 0 else 0.0
+                trajs = [t for g in groups for t in g.trajectories]
+                staleness = [self.version - 1 - t.min_version for t in trajs if t.num_sampled_tokens]
+                metrics.update(summarize(trajs))
+                metrics.update(ray.get(self.replay.metrics.remote()))
+                metrics.update({
+                    "replay/staleness_max": float(max(staleness, default=0)),
+                    "replay/staleness_mean": sum(staleness) / max(len(staleness), 1),
+                    "timing/waiting": t1 - t0,
+                    "timing/learner_step": t2 - t1,
+                    "timing/refit": refit_s,
+                    "timing/step": time.perf_counter() - t0,
+                    "rollout/tokens_per_s": sum(t.num_sampled_tokens for t in trajs) / max(time.perf_counter() - t0, 1e-9),
+                    "timing/elapsed": time.perf_counter() - t_start,
+                })
+                logger.log(self.step, metrics)
+                bar.update(self.step, metrics)
+                last = metrics
+                ci = cfg.train.checkpoint_interval
+                if ci and self.step % ci == 0:
+                    self.save_checkpoint()
+        if cfg.train.num_steps and (not cfg.train.checkpoint_interval or self.step % cfg.train.checkpoint_interval):
+            self.save_checkpoint()
+        return {f"final/{k}": v for k, v in last.items() if isinstance(v, (int, float))}
+
+    def shutdown(self) -> None:
+        if self.actors_started:
+            for actor in [*getattr(self, "rollouts", []), *self.engines, self.learner, self.replay]:
+                try:
+                    ray.kill(actor)
+                except Exception:
+                    pass
+            self.actors_started = False
