@@ -1,0 +1,55 @@
+import json
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentrl.chat import ChatRenderer, format_tool_call, parse_tool_calls
+
+
+def test_parse_single_call():
+    p = parse_tool_calls('Let me compute. <tool_call>{"name": "calculate", "arguments": {"expression": "1+2"}}</tool_call>')
+    assert [(c.name, c.arguments) for c in p.calls] == [("calculate", {"expression": "1+2"})]
+    assert p.errors == [] and p.content == "Let me compute."
+
+
+def test_parse_reports_each_bad_block():
+    text = "<tool_call>{bad json}</tool_call><tool_call>[1]</tool_call><tool_call>{\"arguments\": {}}</tool_call><tool_call>"
+    p = parse_tool_calls(text)
+    assert p.calls == []
+    assert len(p.errors) == 4
+
+
+def test_arguments_as_json_string():
+    p = parse_tool_calls('<tool_call>{"name": "f", "arguments": "{\\"x\\": 2}"}</tool_call>')
+    assert p.calls[0].arguments == {"x": 2}
+
+
+@given(st.text(max_size=300))
+@settings(max_examples=200)
+def test_parse_never_raises(text):
+    p = parse_tool_calls(text)
+    assert isinstance(p.calls, list) and isinstance(p.errors, list)
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs",)), min_size=1, max_size=20),
+       st.dictionaries(st.text(min_size=1, max_size=8), st.integers() | st.text(max_size=10), max_size=3))
+@settings(max_examples=100)
+def test_format_parse_roundtrip(name, args):
+    p = parse_tool_calls(format_tool_call(name, args))
+    assert [(c.name, c.arguments) for c in p.calls] == [(name, json.loads(json.dumps(args)))]
+
+
+def test_observation_delta_equals_full_render_suffix(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    r = ChatRenderer(tok)
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    prompt = r.prompt_ids(msgs)
+    reply = r.encode(format_tool_call("calculate", {"expression": "2+3"})) + [r.eos_token_id]
+    obs = [{"role": "tool", "content": "5"}]
+    ids = prompt + reply + r.observation_delta_ids(obs)
+    full = tok.apply_chat_template(
+        msgs + [{"role": "assistant", "content": format_tool_call("calculate", {"expression": "2+3"})}] + obs,
+        tokenize=False, add_generation_prompt=True)
+    assert tok.decode(ids) == full
