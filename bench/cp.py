@@ -1,0 +1,278 @@
+"""Context-parallel attention at 16k tokens: CP=2 vs. CP=1, side by side in one run.
+
+For each packing layout, every rank builds the same random q, k, v (Qwen2.5-1.5B attention
+shape: 12 query heads, 2 KV heads, head dim 128) and an upstream gradient, then measures:
+
+- agreement: outputs and q/k/v gradients of CP=1 and CP=2 (bf16, FlexAttention) against a
+  float32 SDPA reference with an explicit mask, as max|err| / max|ref| over both ranks;
+- time per GPU of one attention forward+backward: CP=1 (the whole sequence on one GPU) vs. CP=2
+  (half the queries per GPU, including the K/V all-gather and dK/dV reduce-scatter), the time
+  of those two collectives alone, the first call on a new packing, and the mask build.
+
+Run (2 GPUs):
+    PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node 2 bench/cp.py
+CPU dry run of the script's logic (gloo, SDPA, small):
+    PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node 2 bench/cp.py --cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.learners.megatron import cp_attention
+from agentrl.learners.megatron.cp_attention import (
+    all_gather_zigzag,
+    cp_document_attention,
+    document_causal_attention,
+    zigzag_indices,
+)
+
+__all__ = ["main"]
+
+
+def _layouts(tokens: int) -> dict[str, list[int]]:
+    q = tokens // 4
+    uneven = [
+        3 * q // 2,
+        q // 2 + 4,
+        q,
+        tokens - 3 * q - 4,
+    ]  # all multiples of 4 when tokens % 16 == 0
+    return {"1 doc": [tokens], "4 equal docs": [q] * 4, "4 uneven docs": uneven}
+
+
+def _cu(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref).abs().max() / ref.abs().max())
+
+
+def _max_over_ranks(x: float, device: torch.device) -> float:
+    t = torch.tensor([x], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _fwd_bwd(
+    fn: Callable[..., torch.Tensor], leaves: list[torch.Tensor], grad: torch.Tensor
+) -> list[torch.Tensor]:
+    for t in leaves:
+        t.grad = None
+    out = fn(*leaves)
+    out.backward(grad)
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def _time_ms(step: Callable[[], Any], iters: int, device: torch.device) -> float:
+    """Mean wall time of ``step`` per call on this rank, all ranks starting together."""
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            step()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _peak_mib(step: Callable[[], Any], iters: int, device: torch.device) -> tuple[float, float]:
+    """(mean ms per call, peak memory above the starting allocation in MiB) of a warmed-up step."""
+    step()
+    if device.type != "cuda":
+        return _time_ms(step, iters, device), 0.0
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    ms = _time_ms(step, iters, device)
+    return ms, (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _bench_layout(
+    lengths: list[int],
+    args: argparse.Namespace,
+    device: torch.device,
+    dtype: torch.dtype,
+    backend: str,
+    group: dist.ProcessGroup,
+) -> dict[str, Any]:
+    cp_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    T, H, Hkv, D = args.tokens, args.heads, args.kv_heads, args.head_dim
+    cu = _cu(lengths)
+    g = torch.Generator(device=device).manual_seed(1234)
+    full32 = [torch.randn((T, h, D), generator=g, device=device) for h in (H, Hkv, Hkv, H)]
+    q, k, v, dout = (t.to(dtype) for t in full32)
+    idx = zigzag_indices(cu, cp_size, rank).to(device)
+
+    def ref_fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return document_causal_attention(a, b, c, cu, backend="sdpa")
+
+    def cp1_fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return document_causal_attention(a, b, c, cu, backend=backend)
+
+    def cp2_fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return cp_document_attention(a, b, c, cu, group, backend=backend)
+
+    # float32 reference with an explicit boolean mask (an independent attention kernel).
+    ref = _fwd_bwd(ref_fn, [t.clone().requires_grad_() for t in full32[:3]], full32[3])
+    ref_local = [r[idx] for r in ref]
+    del ref, full32
+
+    cp1_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    cp2_leaves = [t[idx].clone().requires_grad_() for t in (q, k, v)]
+    dout_local = dout[idx].contiguous()
+    first_s = {}
+    for key, fn, leaves, grad in (
+        ("cp1", cp1_fn, cp1_leaves, dout),
+        ("cp2", cp2_fn, cp2_leaves, dout_local),
+    ):
+        dist.barrier()
+        t0 = time.perf_counter()
+        got = _fwd_bwd(fn, leaves, grad)  # the first call compiles when needed
+        _sync(device)
+        first_s[key] = _max_over_ranks(time.perf_counter() - t0, device)
+        if key == "cp1":
+            got1 = [x[idx] for x in got]
+        else:
+            got2 = got
+
+    errors: dict[str, dict[str, float]] = {}
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        errors[what] = {
+            "cp1_vs_fp32": _max_over_ranks(_rel_err(got1[i], ref_local[i]), device),
+            "cp2_vs_fp32": _max_over_ranks(_rel_err(got2[i], ref_local[i]), device),
+            "cp2_vs_cp1": _max_over_ranks(_rel_err(got2[i], got1[i].float()), device),
+        }
+    del got1, got2, ref_local
+
+    cp1_ms, cp1_mib = _peak_mib(lambda: _fwd_bwd(cp1_fn, cp1_leaves, dout), args.iters, device)
+    cp2_ms, cp2_mib = _peak_mib(
+        lambda: _fwd_bwd(cp2_fn, cp2_leaves, dout_local), args.iters, device
+    )
+
+    # The collectives alone: what CP attention gathers (K and V stacked), and its gradient.
+    kv_local = torch.stack((k[idx], v[idx]), dim=1).requires_grad_()
+    kv_grad = torch.randn((T, 2, Hkv, D), device=device, dtype=dtype)
+    comm_ms, _ = _peak_mib(
+        lambda: all_gather_zigzag(kv_local, cu, group).backward(kv_grad), args.iters, device
+    )
+
+    _sync(device)
+    cp_attention._plan.cache_clear()
+    t0 = time.perf_counter()
+    cp_attention._get_plan(cu, cp_size, rank, device, backend)
+    _sync(device)
+    plan_ms = (time.perf_counter() - t0) * 1e3
+
+    return {
+        "doc_lengths": lengths,
+        "errors": errors,
+        "fwd_bwd_ms": {
+            "cp1": _max_over_ranks(cp1_ms, device),
+            "cp2_per_gpu": _max_over_ranks(cp2_ms, device),
+            "speedup": _max_over_ranks(cp1_ms, device) / _max_over_ranks(cp2_ms, device),
+        },
+        "kv_allgather_plus_grad_reducescatter_ms": _max_over_ranks(comm_ms, device),
+        "first_call_s": first_s,
+        "mask_build_ms": _max_over_ranks(plan_ms, device),
+        "peak_extra_mem_mib": {
+            "cp1": _max_over_ranks(cp1_mib, device),
+            "cp2": _max_over_ranks(cp2_mib, device),
+        },
+    }
+
+
+def main() -> None:
+    """Run the benchmark on every rank; rank 0 prints a table and writes ``--json``."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json", default=None, help="write the results here (rank 0)")
+    ap.add_argument("--cpu", action="store_true", help="gloo + SDPA in float32, for a dry run")
+    args = ap.parse_args()
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if args.cpu:
+        device, dtype, backend = torch.device("cpu"), torch.float32, "sdpa"
+        dist.init_process_group("gloo")
+    else:
+        device, dtype, backend = torch.device("cuda", local_rank), torch.bfloat16, "flex"
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    group = dist.group.WORLD
+
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "cp_size": dist.get_world_size(),
+        "shape": {
+            "tokens": args.tokens,
+            "heads": args.heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "dtype": str(dtype),
+        },
+        "layouts": {},
+    }
+    for name, lengths in _layouts(args.tokens).items():
+        results["layouts"][name] = _bench_layout(lengths, args, device, dtype, backend, group)
+        if rank == 0:
+            print(f"[{name}] {json.dumps(results['layouts'][name])}", flush=True)
+
+    if rank == 0:
+        _print_table(results)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+    dist.destroy_process_group()
+
+
+def _print_table(results: dict[str, Any]) -> None:
+    s = results["shape"]
+    print(
+        f"\n{results['device']}, torch {results['torch']}, CP={results['cp_size']}, {s['tokens']} tokens, "
+        f"{s['heads']}/{s['kv_heads']} heads x {s['head_dim']}, {s['dtype']}"
+    )
+    print(
+        "| layout | CP=1 fwd+bwd ms | CP=2 fwd+bwd ms/GPU | speed-up | comm ms | mask build ms "
+        "| max rel err out/dq/dk/dv CP=1 vs fp32 | same, CP=2 | CP=2 vs CP=1 |"
+    )
+    print("|" + " --- |" * 9)
+    for name, r in results["layouts"].items():
+        t, e = r["fwd_bwd_ms"], r["errors"]
+        errs = ["/".join(f"{e[w][key]:.1e}" for w in ("out", "dq", "dk", "dv")) for key in e["out"]]
+        print(
+            f"| {name} | {t['cp1']:.2f} | {t['cp2_per_gpu']:.2f} | {t['speedup']:.2f}x "
+            f"| {r['kv_allgather_plus_grad_reducescatter_ms']:.2f} | {r['mask_build_ms']:.1f} | "
+            + " | ".join(errs)
+            + " |"
+        )
+
+
+if __name__ == "__main__":
+    main()
