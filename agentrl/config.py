@@ -224,6 +224,8 @@ class SFTConfig(Section):
     num_epochs: int = Field(3, ge=1)
     lr: float = Field(3e-3, gt=0)
     batch_tokens: int = Field(4096, ge=16)
+    expert_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the env's `expert(seed, ...)` (e.g. `guess_prob` for Calculator)."""
     output_dir: str = ".cache/sft-model"
     """Where the warm-started model is written (HF format); reused when present."""
 

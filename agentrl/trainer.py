@@ -183,11 +183,14 @@ class Trainer:
                 refit_s = self.refit() if self.version % cfg.refit.interval == 0 else 0.0
                 trajs = [t for g in groups for t in g.trajectories]
                 staleness = [self.version - 1 - t.min_version for t in trajs if t.num_sampled_tokens]
+                versions = [v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m]
                 metrics.update(summarize(trajs))
                 metrics.update(ray.get(self.replay.metrics.remote()))
                 metrics.update({
                     "replay/staleness_max": float(max(staleness, default=0)),
                     "replay/staleness_mean": sum(staleness) / max(len(staleness), 1),
+                    "replay/token_version_min": float(min(versions, default=-1)),
+                    "replay/token_version_max": float(max(versions, default=-1)),
                     "timing/waiting": t1 - t0,
                     "timing/learner_step": t2 - t1,
                     "timing/refit": refit_s,

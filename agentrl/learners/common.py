@@ -73,13 +73,12 @@ def plan_microbatches(samples: list[TrainSample], cfg: "PackingConfig", num_rank
 
 
 def pack_samples(samples: list[TrainSample], indices: list[int], *, pad_multiple: int = 1, pad_id: int = 0) -> PackedBatch:
-    chosen = [samples[i] for i in indices]
     return pack_sequences(
-        [s.token_ids for s in chosen],
+        [s.token_ids for s in samples],
         {
-            "loss_mask": [s.loss_mask for s in chosen],
-            "behavior_logprobs": [s.behavior_logprobs for s in chosen],
-            "advantages": [s.advantages for s in chosen],
+            "loss_mask": [s.loss_mask for s in samples],
+            "behavior_logprobs": [s.behavior_logprobs for s in samples],
+            "advantages": [s.advantages for s in samples],
         },
         indices=indices,
         pad_multiple=pad_multiple,

@@ -1,0 +1,67 @@
+"""`agentrl eval`: success rate, reward, turns and tool calls of a model on held-out seeds.
+
+Runs one vLLM engine in this process (no Ray) and the same episode loop as training."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+__all__ = ["evaluate_model"]
+
+
+class _LocalClient:
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id):
+        return await self.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+
+
+async def _evaluate(model: str, env_id: str, num_episodes: int, seed_offset: int, temperature: float,
+                    rollout_overrides: dict[str, Any]) -> dict[str, float]:
+    import anyio
+    import gymnasium as gym
+    from transformers import AutoTokenizer
+
+    import agentrl.envs  # noqa: F401
+    from agentrl.chat import ChatRenderer
+    from agentrl.config import EngineConfig, RolloutConfig
+    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.rollout import run_episode, summarize
+
+    gym.spec(env_id)  # unknown ids fail here, with gymnasium's suggestions
+    cfg = RolloutConfig(**rollout_overrides)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
+    engine = VLLMEngine(model, EngineConfig(max_model_len=max(2048, cfg.max_total_tokens)))
+    await engine.start()
+    client = _LocalClient(engine)
+    trajs = []
+    limiter = anyio.CapacityLimiter(32)
+
+    async def one(k: int) -> None:
+        async with limiter:
+            env = gym.make(env_id)
+            try:
+                trajs.append(await run_episode(env, renderer, client, seed=seed_offset + k, cfg=cfg,
+                                               episode_id=f"eval-{k}", temperature=temperature))
+            finally:
+                env.close()
+
+    try:
+        async with anyio.create_task_group() as tg:
+            for k in range(num_episodes):
+                tg.start_soon(one, k)
+    finally:
+        engine.shutdown()
+    return {k.replace("rollout/", "eval/"): v for k, v in summarize(trajs).items()}
+
+
+def evaluate_model(model: str, env_id: str, *, num_episodes: int = 64, seed_offset: int = 1_000_000,
+                   temperature: float = 0.0, **rollout_overrides: Any) -> dict[str, float]:
+    """Evaluate ``model`` (HF directory) on ``num_episodes`` seeds of ``env_id`` starting at ``seed_offset``."""
+    from pathlib import Path
+
+    if not (Path(model) / "config.json").is_file():
+        raise FileNotFoundError(f"--model: '{model}' is not a Hugging Face model directory (no config.json)")
+    return asyncio.run(_evaluate(model, env_id, num_episodes, seed_offset, temperature, rollout_overrides))

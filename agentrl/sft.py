@@ -1,0 +1,125 @@
+"""`agentrl sft CONFIG`: supervised warm start on an env's expert demonstrations.
+
+Demonstrations are rendered exactly as rollouts are (prompt once, assistant tokens + EOS, then
+observation deltas), and the loss covers assistant tokens only. The same packing and chunked
+logprob code as the RL learner is used. The result is cached: a second run with the same
+settings reuses ``sft.output_dir``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from agentrl.chat import ChatRenderer
+    from agentrl.config import Config
+
+__all__ = ["build_demonstrations", "run_sft"]
+
+
+def build_demonstrations(
+    env_id: str, renderer: "ChatRenderer", seeds: list[int], env_kwargs: dict | None = None, **expert_kwargs
+) -> list[tuple[list[int], list[int]]]:
+    """(token ids, loss mask) of the expert's episodes on ``seeds``."""
+    import gymnasium as gym
+
+    import agentrl.envs  # noqa: F401
+
+    env = gym.make(env_id, **(env_kwargs or {}))
+    expert = getattr(env.unwrapped, "expert", None)
+    if expert is None:
+        raise ValueError(f"{env_id} has no expert(seed) demonstrator; SFT needs one")
+    demos = []
+    for seed in seeds:
+        obs, info = env.reset(seed=seed)
+        ids = renderer.prompt_ids(obs, info.get("tools"))
+        mask = [0] * len(ids)
+        for action in expert(seed, **expert_kwargs):
+            sampled = renderer.encode(action) + [renderer.eos_token_id]
+            ids += sampled
+            mask += [1] * len(sampled)
+            obs, _, terminated, truncated, _ = env.step(action)
+            if terminated or truncated:
+                break
+            delta = renderer.observation_delta_ids(obs)
+            ids += delta
+            mask += [0] * len(delta)
+        demos.append((ids, mask))
+    env.close()
+    return demos
+
+
+def _fingerprint(cfg: "Config", model_path: str) -> str:
+    blob = json.dumps({"sft": cfg.sft.model_dump(), "env": cfg.env.model_dump(), "model": model_path,
+                       "seed": cfg.seed}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
+    """Train (or reuse) the warm-started model; returns its HF directory."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from agentrl.chat import ChatRenderer
+    from agentrl.learners.hf_forward import packed_token_logprobs
+    from agentrl.learners.torch_learner import _TOKENIZER_FILES, load_hf_model
+    from agentrl.packing import make_microbatches, pack_sequences
+    from agentrl.trainer import resolve_model_path
+
+    sc = cfg.sft
+    base = model_path or resolve_model_path(cfg)
+    out = Path(sc.output_dir)
+    stamp = out / "agentrl_sft.json"
+    fp = _fingerprint(cfg, base)
+    if stamp.is_file() and json.loads(stamp.read_text()).get("fingerprint") == fp:
+        log(f"sft: reusing {out} (same settings)")
+        return out
+
+    torch.manual_seed(cfg.seed)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(base))
+    # SFT seeds sit below the RL training seeds' range, far from the held-out eval seeds.
+    seeds = [cfg.rollout.seed_offset - 1 - k for k in range(sc.num_demos)]
+    demos = build_demonstrations(cfg.env.id, renderer, seeds, cfg.env.kwargs, **sc.expert_kwargs)
+    model = load_hf_model(base, cfg.model.dtype)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0)
+    lengths = [len(ids) for ids, _ in demos]
+    batches = make_microbatches(lengths, max(sc.batch_tokens, max(lengths)), algorithm=cfg.packing.algorithm)[0]
+    total = sc.num_epochs * len(batches)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / total))
+    rng = random.Random(cfg.seed)
+    t0, step = time.perf_counter(), 0
+    for epoch in range(sc.num_epochs):
+        rng.shuffle(batches)
+        for batch in batches:
+            packed = pack_sequences([demos[i][0] for i in batch], {"loss_mask": [demos[i][1] for i in batch]})
+            logp = packed_token_logprobs(model, packed, chunk_size=cfg.packing.logprob_chunk_size)
+            mask = packed.fields["loss_mask"].reshape(-1) > 0
+            loss = -(logp.reshape(-1)[mask]).mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            if step % 50 == 0 or step == total:
+                log(f"sft: epoch {epoch + 1}/{sc.num_epochs} step {step}/{total} loss {loss.item():.4f} "
+                    f"({time.perf_counter() - t0:.0f}s)")
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    for name in _TOKENIZER_FILES:
+        if (Path(base) / name).exists():
+            shutil.copy(Path(base) / name, tmp / name)
+    (tmp / "agentrl_sft.json").write_text(json.dumps({"fingerprint": fp, "base": base, "steps": step,
+                                                      "seconds": time.perf_counter() - t0}))
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    log(f"sft: wrote {out} after {step} steps ({time.perf_counter() - t0:.0f}s)")
+    return out

