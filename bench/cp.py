@@ -91,6 +91,15 @@ def _time_ms(step: Callable[[], Any], iters: int, device: torch.device) -> float
     return (time.perf_counter() - t0) * 1e3 / iters
 
 
+_START = time.perf_counter()
+
+
+def _log(msg: str) -> None:
+    """Progress on rank 0 with seconds since start, so a run cut off by a time limit says where."""
+    if dist.get_rank() == 0:
+        print(f"[{time.perf_counter() - _START:7.1f}s] {msg}", flush=True)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -136,6 +145,7 @@ def _bench_layout(
     # float32 reference with an explicit boolean mask (an independent attention kernel).
     ref = _fwd_bwd(ref_fn, [t.clone().requires_grad_() for t in full32[:3]], full32[3])
     ref_local = [r[idx] for r in ref]
+    _log(f"{lengths}: float32 SDPA reference done")
     del ref, full32
 
     cp1_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -151,6 +161,7 @@ def _bench_layout(
         got = _fwd_bwd(fn, leaves, grad)  # the first call compiles when needed
         _sync(device)
         first_s[key] = _max_over_ranks(time.perf_counter() - t0, device)
+        _log(f"{lengths}: first {key} call (mask build, compile if needed) {first_s[key]:.1f}s")
         if key == "cp1":
             got1 = [x[idx] for x in got]
         else:
@@ -169,6 +180,8 @@ def _bench_layout(
     cp2_ms, cp2_mib = _peak_mib(
         lambda: _fwd_bwd(cp2_fn, cp2_leaves, dout_local), args.iters, device
     )
+
+    _log(f"{lengths}: timed cp1 {cp1_ms:.2f} ms, cp2 {cp2_ms:.2f} ms")
 
     # The collectives alone: what CP attention gathers (K and V stacked), and its gradient.
     kv_local = torch.stack((k[idx], v[idx]), dim=1).requires_grad_()
@@ -225,6 +238,7 @@ def main() -> None:
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
     group = dist.group.WORLD
+    _log(f"process group up: {dist.get_backend()} x {dist.get_world_size()}")
 
     results: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -243,12 +257,12 @@ def main() -> None:
         results["layouts"][name] = _bench_layout(lengths, args, device, dtype, backend, group)
         if rank == 0:
             print(f"[{name}] {json.dumps(results['layouts'][name])}", flush=True)
+            if args.json:  # after every layout, so a run cut short still leaves its figures
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=2)
 
     if rank == 0:
         _print_table(results)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(results, f, indent=2)
     dist.destroy_process_group()
 
 
