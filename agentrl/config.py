@@ -76,6 +76,8 @@ class RolloutConfig(Section):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature. Off-policy correction assumes the learner scores at the same one."""
     top_p: float = Field(1.0, gt=0, le=1)
+    """Nucleus sampling. Below 1 the engine's logprobs are renormalized over the nucleus and no
+    longer match the learner's full-softmax logprobs."""
     max_new_tokens: int = Field(64, ge=1)
     """Tokens the policy may sample in one turn."""
     max_turns: int = Field(4, ge=1)
@@ -90,14 +92,19 @@ class EngineConfig(Section):
     num_engines: int = Field(1, ge=1)
     """vLLM engine actors."""
     max_model_len: int = Field(2048, ge=64)
+    """Longest sequence (prompt + generation) the engine accepts."""
     kv_cache_gib: float = Field(1.0, gt=0)
     """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (CUDA engines only)."""
     enforce_eager: bool = True
+    """Skip graph capture / compilation (faster start; required on CPU for quick tests)."""
     max_num_seqs: int = Field(64, ge=1)
+    """Requests an engine batches at once."""
     num_cpus: float = Field(1.0, gt=0)
     """Ray CPUs reserved per engine actor."""
     num_gpus: float = Field(0.0, ge=0)
+    """GPUs per engine actor (0 on CPU)."""
 
 
 class ReplayConfig(Section):
@@ -136,6 +143,7 @@ class KLConfig(Section):
     coef: float = Field(0.0, ge=0)
     """Weight of the KL penalty to the reference policy; 0 disables it (no reference pass)."""
     estimator: Literal["k1", "k2", "k3"] = "k3"
+    """k1: log-ratio; k2: half squared log-ratio; k3: the unbiased, non-negative exp(-x) - 1 + x."""
 
 
 class LossConfig(Section):
@@ -156,17 +164,21 @@ class LossConfig(Section):
 
 class AdvantageConfig(Section):
     estimator: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
+    """grpo: reward minus group mean (over std if normalize_std); rloo: leave-one-out mean
+    baseline; dr_grpo: group mean only, no std (pair with seq_mean_token_sum)."""
     normalize_std: bool = True
     """GRPO only: divide by the group's reward standard deviation."""
     turn_discount: float = Field(1.0, ge=0, le=1)
     """Discount of later turns' rewards for turn-level credit; 1.0 = whole-episode return."""
     eps: float = Field(1e-6, gt=0)
+    """Added to the std before dividing."""
 
 
 class PackingConfig(Section):
     algorithm: Literal["mffd", "ffd"] = "mffd"
     """Bin packing of sequences into token-budget micro-batches."""
     max_tokens_per_microbatch: int = Field(4096, ge=16)
+    """Token capacity of one packed micro-batch (padding included)."""
     pad_multiple: int = Field(1, ge=1)
     """Pad every sequence to a multiple of this (2*cp for context parallelism)."""
     logprob_chunk_size: int = Field(1024, ge=1)
@@ -175,13 +187,21 @@ class PackingConfig(Section):
 
 class MegatronConfig(Section):
     tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor (intra-layer) parallel degree."""
     pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline (inter-layer) parallel degree."""
     context_parallel_size: int = Field(1, ge=1)
+    """Context parallel degree: every packed document is split into 2*cp zig-zag chunks."""
     sequence_parallel: bool = False
+    """Shard activations along the sequence within the tensor-parallel group."""
     activation_checkpointing: bool = False
+    """Recompute each transformer layer in the backward pass (less memory, more compute)."""
     use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass."""
     grad_reduce_in_fp32: bool = True
+    """Reduce gradients in float32 even when training in bf16."""
     attention: Literal["flex", "sdpa", "te"] = "flex"
     """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
     TransformerEngine's when it is importable."""
@@ -189,20 +209,28 @@ class MegatronConfig(Section):
 
 class LearnerConfig(Section):
     backend: Literal["torch", "megatron"] = "torch"
+    """torch: Hugging Face model + AdamW (CPU, small GPUs); megatron: Megatron-Core (GPUs)."""
     lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
     grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
     num_gpus: int = Field(0, ge=0)
     """Learner actors (one per GPU); 0 runs one learner on CPU."""
     num_cpus: float = Field(1.0, gt=0)
+    """Ray CPUs (and torch threads) of the learner actor."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
 
 
 class RefitConfig(Section):
     interval: int = Field(1, ge=1)
     """Learner steps between weight pushes to the engines."""
-    transport: Literal["object_store", "nccl", "cuda_ipc"] = "object_store"
+    transport: Literal["object_store"] = "object_store"
+    """How weights reach the engines: through the Ray object store (works on CPU and across
+    nodes). NCCL broadcast and CUDA IPC need vLLM on the GPU machine, which it lacks today."""
     mode: Literal["drain", "continue"] = "continue"
     """drain: wait for in-flight requests before swapping weights; continue: pause, swap, and
     resume them on the new weights (each token records the version that made it)."""
@@ -210,20 +238,26 @@ class RefitConfig(Section):
 
 class TrainConfig(Section):
     num_steps: int = Field(10, ge=0)
+    """Learner steps (optimizer steps) to run."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; defaults to RUN_DIR/checkpoints."""
     checkpoint_interval: int = Field(0, ge=0)
     """Learner steps between checkpoints; 0 = only at the end."""
-    log_interval: int = Field(1, ge=1)
 
 
 class SFTConfig(Section):
     enabled: bool = False
     """`agentrl train` first runs (or reuses) the SFT warm start and starts RL from its output."""
     num_demos: int = Field(2000, ge=1)
+    """Expert episodes to train on."""
     num_epochs: int = Field(3, ge=1)
+    """Passes over the demonstrations."""
     lr: float = Field(3e-3, gt=0)
+    """Peak AdamW learning rate (warm-up, then linear decay)."""
     batch_tokens: int = Field(4096, ge=16)
+    """Tokens per packed batch (one optimizer step)."""
+    seed_offset: int = Field(2_000_000, ge=0)
+    """Demonstrations use env seeds from here on, apart from RL training and eval seeds."""
     expert_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the env's `expert(seed, ...)` (e.g. `guess_prob` for Calculator)."""
     output_dir: str = ".cache/sft-model"
@@ -232,20 +266,25 @@ class SFTConfig(Section):
 
 class EvalConfig(Section):
     num_episodes: int = Field(64, ge=0)
+    """Held-out episodes evaluated before and after training; 0 skips evaluation."""
     seed_offset: int = 1_000_000
     """Held-out seeds start here; training seeds never reach it."""
     temperature: float = Field(0.0, ge=0)
+    """Sampling temperature of evaluation (0 = greedy)."""
 
 
 class ClusterConfig(Section):
     address: str | None = None
     """Ray cluster to join; None starts a local one."""
     num_cpus: int | None = None
+    """CPUs of the local Ray instance (None: all of the machine's)."""
 
 
 class Config(Section):
     run_dir: str = "runs/default"
+    """Where metrics (JSONL, TensorBoard), plots, summary and checkpoints of the run go."""
     seed: int = 0
+    """Seeds torch, the engines' sampling and the tiny model's initialization."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvConfig = Field(default_factory=EnvConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)

@@ -83,8 +83,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
 
     torch.manual_seed(cfg.seed)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(base))
-    # SFT seeds sit below the RL training seeds' range, far from the held-out eval seeds.
-    seeds = [cfg.rollout.seed_offset - 1 - k for k in range(sc.num_demos)]
+    seeds = [sc.seed_offset + k for k in range(sc.num_demos)]
     demos = build_demonstrations(cfg.env.id, renderer, seeds, cfg.env.kwargs, **sc.expert_kwargs)
     model = load_hf_model(base, cfg.model.dtype)
     model.train()
