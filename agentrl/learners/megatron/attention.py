@@ -1,0 +1,157 @@
+"""The project's core attention for Megatron-Core: packed (THD) documents, document-causal mask.
+
+Megatron's local ``DotProductAttention`` materializes the full score matrix and refuses packed
+input and context parallelism; without TransformerEngine this module takes its place through the
+layer spec (``SelfAttentionSubmodules.core_attention``). It also applies RoPE, from cos/sin
+tables computed once per micro-batch from the per-document position ids, so every document's
+positions restart at 0 (and under context parallelism each local token gets its global position).
+
+Backends: ``flex`` (FlexAttention, compiled, block-sparse document-causal mask), ``sdpa`` (one
+causal SDPA call per document) and, when ``context_parallel_size > 1``, the project's
+``cp_attention.cp_document_attention`` over zigzag shards.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+__all__ = ["PackedAttentionParams", "PackedCoreAttention", "apply_rope", "make_packed_params"]
+
+_COMPILED: dict[str, Any] = {}
+
+
+@dataclass
+class PackedAttentionParams(PackedSeqParams):
+    """``PackedSeqParams`` plus what `PackedCoreAttention` reads; one object per micro-batch.
+
+    ``cu_seqlens_q``/``cu_seqlens_kv`` are int32 ``[N+1]`` over the *global* packed sequence
+    (all context-parallel shards); ``rope_cos``/``rope_sin`` are ``[t, head_dim]`` for the local
+    tokens. ``cache`` holds the block mask, built by the first layer and reused by the rest.
+    """
+
+    rope_cos: Tensor | None = None
+    rope_sin: Tensor | None = None
+    cache: dict[str, Any] = field(default_factory=dict)
+
+
+def make_packed_params(cu_seqlens: Tensor, max_seqlen: int, cp_group: Any = None) -> PackedAttentionParams:
+    """THD params for one packed micro-batch (``cu_seqlens`` int32 on the compute device)."""
+    return PackedAttentionParams(
+        qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_seqlen, max_seqlen_kv=max_seqlen, cp_group=cp_group,
+    )
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate ``x`` [t, heads, D] by per-token ``cos``/``sin`` [t, D] (HF's half-split layout)."""
+    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+
+
+def _compiled(name: str, fn: Any) -> Any:
+    if name not in _COMPILED:
+        _COMPILED[name] = torch.compile(fn, dynamic=False)
+    return _COMPILED[name]
+
+
+def _document_block_mask(params: PackedAttentionParams, t: int, device: torch.device) -> Any:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if "block_mask" not in params.cache:
+        cu = params.cu_seqlens_q.to(device=device, dtype=torch.int64)
+        doc_ids = torch.zeros(t, dtype=torch.int32, device=device)
+        doc_ids[cu[1:-1]] = 1  # a 1 at every document start after the first ...
+        doc_ids = doc_ids.cumsum(0, dtype=torch.int32)  # ... makes running document ids
+
+        def document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+            return (doc_ids[q] == doc_ids[kv]) & (q >= kv)
+
+        params.cache["block_mask"] = create_block_mask(document_causal, None, None, t, t, device=device,
+                                                       _compile=True)
+    return params.cache["block_mask"]
+
+
+class PackedCoreAttention(MegatronModule):
+    """Core attention over packed documents (drop-in for Megatron's ``DotProductAttention``).
+
+    Takes ``query`` [t, np, hn] and ``key``/``value`` [t, ng, hn] (this TP rank's heads, THD
+    layout), applies RoPE from the params' tables, and returns [t, np * hn].
+    """
+
+    def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any,
+                 attention_type: str, attention_dropout: float | None = None,
+                 softmax_scale: float | None = None, cp_comm_type: str | None = None,
+                 pg_collection: Any = None, backend: str = "flex") -> None:
+        super().__init__(config=config)
+        if backend not in ("flex", "sdpa"):
+            raise ValueError(f"learner.megatron.attention: unknown core attention '{backend}'")
+        self.backend = backend
+        self.layer_number = layer_number
+        dropout = config.attention_dropout if attention_dropout is None else attention_dropout
+        if dropout:
+            raise ValueError("PackedCoreAttention has no attention dropout; set attention_dropout=0")
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(config.kv_channels)
+        self.cp_size = config.context_parallel_size
+        self.cp_group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+
+    def forward(self, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                attn_mask_type: Any = None, attention_bias: Tensor | None = None,
+                packed_seq_params: PackedAttentionParams | None = None) -> Tensor:
+        if not isinstance(packed_seq_params, PackedAttentionParams):
+            raise TypeError("PackedCoreAttention needs PackedAttentionParams (packed THD input)")
+        if attention_bias is not None:
+            raise ValueError("PackedCoreAttention does not take an attention bias")
+        p = packed_seq_params
+        if p.rope_cos is not None:
+            rope = _compiled("rope", apply_rope) if query.is_cuda else apply_rope
+            query = rope(query, p.rope_cos, p.rope_sin)
+            key = rope(key, p.rope_cos, p.rope_sin)
+        t, nq, hn = query.shape
+        if self.cp_size > 1:
+            from agentrl.learners.megatron.cp_attention import cp_document_attention
+
+            group = self.cp_group if self.cp_group is not None else p.cp_group
+            cu = p.cache.get("cu_seqlens_cpu", p.cu_seqlens_q)  # read on the host
+            out = cp_document_attention(query, key, value, cu, group, softmax_scale=self.softmax_scale)
+        elif self.backend == "flex" and query.is_cuda:  # FlexAttention has no CPU backward
+            out = self._flex(query, key, value, p)
+        else:
+            out = self._sdpa(query, key, value, p)
+        return out.reshape(t, nq * hn)
+
+    def _flex(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        t = q.shape[0]
+        mask = _document_block_mask(p, t, q.device)
+        fn = _compiled("flex", flex_attention) if q.is_cuda else flex_attention
+        # [t, h, d] -> [1, h, t, d]; the head dim stays contiguous, as the kernel wants.
+        out = fn(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                 v.transpose(0, 1).unsqueeze(0), block_mask=mask, scale=self.softmax_scale,
+                 enable_gqa=q.shape[1] != k.shape[1])
+        return out.squeeze(0).transpose(0, 1)
+
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
+        bounds = p.cache.get("bounds")
+        if bounds is None:
+            bounds = p.cache["bounds"] = p.cu_seqlens_q.tolist()
+        outs = []
+        for s, e in zip(bounds[:-1], bounds[1:]):
+            qd, kd, vd = (x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+            o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=self.softmax_scale,
+                                               enable_gqa=q.shape[1] != k.shape[1])
+            outs.append(o.squeeze(0).transpose(0, 1))
+        return torch.cat(outs)

@@ -1,0 +1,312 @@
+"""The Megatron-Core learner: the torch learner's contract on TP x PP x CP x DP GPUs.
+
+One process per GPU (a Ray learner actor each); every process constructs ``MegatronLearner`` with
+its rank (see `agentrl.learners.megatron.parallel` for what it reads) and every process must be
+given the *same* groups/trajectories in each call: the learner deals micro-batches to its
+data-parallel rank itself, and all calls are collective. Results (metrics, logprobs, exported
+weights) are the same on every rank.
+
+Per micro-batch: packed tokens (agentrl.packing) -> padded to a multiple of 128 tokens with one
+dummy document -> (CP: this rank's zigzag shard) -> GPTModel with the project's core attention ->
+vocab-parallel next-token logprobs -> shifted to ``out[t] = log p(token t | earlier)``, 0.0 at each
+document's first token -> the shared loss (agentrl.learners.common.microbatch_loss).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from agentrl.learners.common import (
+    TrainSample,
+    build_samples,
+    global_counts,
+    merge_metrics,
+    microbatch_loss,
+    pack_samples,
+    plan_microbatches,
+)
+from agentrl.learners.megatron.attention import PackedAttentionParams, make_packed_params
+from agentrl.learners.megatron.convert import ModelShape
+from agentrl.learners.megatron.model import build_model
+from agentrl.learners.megatron.parallel import (
+    build_ddp_and_optimizer,
+    init_distributed,
+    init_parallel_state,
+)
+from agentrl.learners.megatron.weights import gather_hf_weights, load_hf_weights, read_hf_state_dict
+from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, unpack
+
+if TYPE_CHECKING:
+    from agentrl.config import Config
+    from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+__all__ = ["MegatronLearner"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_PAD_TO = 128  # total packed length multiple: steady shapes for compiled kernels
+
+
+@dataclass
+class _MicroBatch:
+    packed: PackedBatch  # on the GPU; fields feed the loss
+    input_ids: torch.Tensor  # [1, t] (this rank's shard under CP)
+    position_ids: torch.Tensor  # [1, t]
+    labels: torch.Tensor  # [1, t] next token ids
+    params: PackedAttentionParams
+    cu_padded: torch.Tensor  # [N+2] int32 on CPU, boundaries incl. the dummy document
+    dummy: bool = False
+    prox: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+
+class MegatronLearner:
+    """Megatron-Core learner; see :class:`agentrl.learners.base.Learner`.
+
+    Args:
+        cfg: the run config (model, learner incl. ``learner.megatron``, loss, advantage, packing).
+        model_path: overrides ``cfg.model.path`` (an HF directory with safetensors).
+        hf_config: build from this transformers config with random weights instead (benchmarks).
+        rank, world_size, local_rank, master_addr, master_port: this process's place in the
+            torch.distributed group (env vars RANK, ... when omitted).
+    """
+
+    def __init__(self, cfg: Config, *, model_path: str | None = None, hf_config: Any = None,
+                 rank: int | None = None, world_size: int | None = None, local_rank: int | None = None,
+                 master_addr: str | None = None, master_port: int | None = None) -> None:
+        self.cfg = cfg
+        mcfg = cfg.learner.megatron
+        self.device = init_distributed(rank=rank, world_size=world_size, local_rank=local_rank,
+                                       master_addr=master_addr, master_port=master_port)
+        self.layout = init_parallel_state(mcfg, seed=cfg.seed)
+        torch.manual_seed(cfg.seed + self.layout.pp_rank)
+        self.model_path = Path(model_path or cfg.model.path)
+        random_init = hf_config is not None and model_path is None
+        if hf_config is None:
+            from transformers import AutoConfig
+
+            hf_config = AutoConfig.from_pretrained(str(self.model_path))
+        self.hf_config = hf_config
+        self.shape = ModelShape.from_hf_config(hf_config)
+        # Megatron trains in bf16/fp16 with fp32 master weights; model.dtype float32 (the CPU default) -> bf16.
+        self.dtype = _DTYPES[cfg.model.dtype] if cfg.model.dtype != "float32" else torch.bfloat16
+        self.model = self._build()
+        hf_state = None if random_init else read_hf_state_dict(self.model_path)
+        if hf_state is not None:
+            load_hf_weights(self.model, hf_state, self.shape)
+        self.ref_model = None
+        if cfg.loss.kl.coef > 0:
+            self.ref_model = self._build()
+            if hf_state is not None:
+                load_hf_weights(self.ref_model, hf_state, self.shape)
+            else:
+                self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.requires_grad_(False)
+        del hf_state
+        self.ddp, self.optimizer = build_ddp_and_optimizer(self.model, cfg.learner)
+        self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
+        self.version = 0
+
+    # ------------------------------------------------------------------ building and data
+    def _build(self) -> Any:
+        mcfg = self.cfg.learner.megatron
+        model = build_model(self.shape, self.hf_config, mcfg, dtype=self.dtype,
+                            perform_initialization=True).to(self.device)
+        model.temperature = self.cfg.rollout.temperature or 1.0
+        model.chunk_size = self.cfg.packing.logprob_chunk_size
+        return model
+
+    @property
+    def _pad_to(self) -> int:
+        lay = self.layout
+        m = math.lcm(_PAD_TO, 2 * lay.cp if lay.cp > 1 else 1)
+        return math.lcm(m, lay.tp * lay.cp) if self.model.config.sequence_parallel else m
+
+    def _microbatch(self, packed: PackedBatch | None) -> _MicroBatch:
+        dummy = packed is None
+        if dummy:  # an empty slot of the DP plan: one pad-only document that contributes nothing
+            packed = pack_samples([TrainSample([self.pad_id], [0], [0.0], [0.0], [-1])], [0])
+        T = packed.input_ids.shape[1]
+        extra = (-T) % self._pad_to
+        cu = packed.cu_seqlens.to(torch.int32).cpu()
+        ids, pos = packed.input_ids[0], packed.position_ids[0]
+        if extra:
+            cu = torch.cat([cu, torch.tensor([T + extra], dtype=torch.int32)])
+            ids = torch.cat([ids, ids.new_full((extra,), self.pad_id)])
+            pos = torch.cat([pos, torch.arange(extra, dtype=pos.dtype)])
+        labels = torch.roll(ids, -1)  # label at a document's last token is discarded by the shift
+        lay = self.layout
+        if lay.cp > 1:
+            from agentrl.learners.megatron.cp_attention import zigzag_indices
+
+            idx = zigzag_indices(cu, lay.cp, lay.cp_rank)
+            ids, pos, labels = ids[idx], pos[idx], labels[idx]
+        dev = self.device
+        params = make_packed_params(cu.to(dev), int((cu[1:] - cu[:-1]).max()))
+        params.cache["cu_seqlens_cpu"] = cu
+        from megatron.core import parallel_state as ps
+
+        if lay.cp > 1:
+            params.cp_group = ps.get_context_parallel_group()
+        return _MicroBatch(packed.to(dev), ids[None].to(dev), pos[None].to(dev), labels[None].to(dev),
+                           params, cu, dummy)
+
+    def _token_logprobs(self, mb: _MicroBatch, out: torch.Tensor) -> torch.Tensor:
+        """Model output (next-token logprobs of this shard) -> ``[T]`` logprobs in the convention."""
+        if self.layout.cp > 1:
+            from megatron.core import parallel_state as ps
+
+            from agentrl.learners.megatron.cp_attention import all_gather_zigzag
+
+            out = all_gather_zigzag(out, mb.cu_padded, ps.get_context_parallel_group())
+        T = mb.packed.input_ids.shape[1]
+        shifted = torch.cat([out.new_zeros(1), out[: T - 1]])
+        keep = mb.packed.real_mask()[0] & (mb.packed.position_ids[0] > 0)
+        return torch.where(keep, shifted, torch.zeros_like(shifted))
+
+    # ------------------------------------------------------------------ schedule plumbing
+    def _run(self, model: Any, mbs: list[_MicroBatch], loss_fn: Any, forward_only: bool) -> list[Any]:
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        def forward_step(data_iterator: Any, m: Any) -> tuple[torch.Tensor, Any]:
+            mb = next(data_iterator)
+            out = m(mb.input_ids, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.params)
+            return out, partial(loss_fn, mb)
+
+        return get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
+            seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+
+    def _collect_logprobs(self, model: Any, mbs: list[_MicroBatch]) -> list[torch.Tensor] | None:
+        """Forward-only pass; the ``[T]`` logprobs of every micro-batch on the last stage, else None."""
+        def loss_fn(mb: _MicroBatch, out: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            return out.new_zeros(()), {"logprobs": self._token_logprobs(mb, out).detach()}
+
+        with torch.no_grad():
+            store = self._run(model, mbs, loss_fn, forward_only=True)
+        return [s["logprobs"] for s in store] if store else None
+
+    def _is_last_stage(self) -> bool:
+        from megatron.core import parallel_state as ps
+
+        return ps.is_pipeline_last_stage()
+
+    def _from_last_stage(self, obj: Any) -> Any:
+        """Broadcast a picklable object from the last pipeline stage to the whole PP group."""
+        from megatron.core import parallel_state as ps
+
+        if self.layout.pp == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=ps.get_pipeline_model_parallel_last_rank(),
+                                   group=ps.get_pipeline_model_parallel_group())
+        return box[0]
+
+    # ------------------------------------------------------------------ the protocol
+    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        """One optimizer step on ``groups`` (collective; every rank gets the same groups)."""
+        t0 = time.perf_counter()
+        cfg, lay = self.cfg, self.layout
+        samples = build_samples(groups, cfg.advantage)
+        num_tokens, num_sequences = global_counts(samples)
+        plan = plan_microbatches(samples, cfg.packing, num_ranks=lay.dp)[lay.dp_rank] if samples else [[]]
+        mbs = [self._microbatch(pack_samples(samples, ix, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id)
+                                if ix else None) for ix in plan]
+        t1 = time.perf_counter()
+        if cfg.loss.proximal == "recompute":
+            for mb, lp in zip(mbs, self._collect_logprobs(self.ddp, mbs) or [None] * len(mbs)):
+                mb.prox = lp
+        if self.ref_model is not None:
+            for mb, lp in zip(mbs, self._collect_logprobs(self.ref_model, mbs) or [None] * len(mbs)):
+                mb.ref = lp
+        t2 = time.perf_counter()
+        scale = len(mbs) * lay.dp / lay.cp  # undoes the schedule's 1/M x cp and DDP's 1/(dp*cp)
+
+        def loss_fn(mb: _MicroBatch, out: torch.Tensor) -> tuple[torch.Tensor, dict]:
+            logp = self._token_logprobs(mb, out)
+            loss, metrics = microbatch_loss(logp, mb.prox, mb.packed, cfg.loss, num_tokens=num_tokens,
+                                            num_sequences=num_sequences, ref_logprobs=mb.ref)
+            if mb.dummy:
+                loss = loss * 0.0
+            weight = 0.0 if mb.dummy else float(mb.packed.fields["loss_mask"].sum())
+            return loss * scale, {"metrics": metrics, "weight": weight, "loss": float(loss.detach())}
+
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        store = self._run(self.ddp, mbs, loss_fn, forward_only=False)
+        _, grad_norm, _ = self.optimizer.step() if samples else (True, 0.0, None)
+        self.version += 1
+        t3 = time.perf_counter()
+        out = self._reduce_metrics(store)
+        out.update({
+            "train/grad_norm": float(grad_norm or 0.0), "train/num_sequences": num_sequences,
+            "train/num_tokens": float(sum(len(s) for s in samples)), "train/num_microbatches": float(len(mbs) * lay.dp),
+            "train/version": float(self.version), "timing/logprobs": t2 - t1, "timing/training": (t3 - t2) + (t1 - t0),
+        })
+        return out
+
+    def _reduce_metrics(self, store: list[dict]) -> dict[str, float]:
+        from megatron.core import parallel_state as ps
+
+        out: dict[str, float] = {}
+        if self._is_last_stage():
+            local = merge_metrics([(s["metrics"], s["weight"]) for s in store])
+            weight = sum(s["weight"] for s in store)
+            loss = sum(s["loss"] for s in store)
+            gathered: list[Any] = [None] * self.layout.dp
+            dist.all_gather_object(gathered, (local, weight, loss), group=ps.get_data_parallel_group())
+            total = sum(w for _, w, _ in gathered) or 1.0
+            for metrics, w, _ in gathered:
+                for k, v in metrics.items():
+                    out[k] = max(out.get(k, -math.inf), v) if k.endswith("_max") else out.get(k, 0.0) + v * w / total
+            out["train/loss"] = sum(lo for _, _, lo in gathered)
+        return self._from_last_stage(out)
+
+    def logprobs(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        """Per-token logprobs under the current weights (0.0 at each sequence's first token)."""
+        lay, pk = self.layout, self.cfg.packing
+        lengths = [len(t.token_ids) for t in trajectories]
+        plan = make_microbatches(lengths, max(pk.max_tokens_per_microbatch, max(lengths, default=1)),
+                                 algorithm=pk.algorithm if pk.algorithm != "none" else "ffd",
+                                 num_ranks=lay.dp, pad_multiple=pk.pad_multiple)[lay.dp_rank]
+        toks = [t.token_ids for t in trajectories]
+        packs = [pack_sequences(toks, indices=ix, pad_multiple=pk.pad_multiple, pad_id=self.pad_id) if ix else None
+                 for ix in plan]
+        mbs = [self._microbatch(p) for p in packs]
+        results: dict[int, list[float]] = {}
+        lps = self._collect_logprobs(self.ddp, mbs)
+        if lps is not None:
+            for mb, lp in zip(mbs, lps):
+                if not mb.dummy:
+                    for i, row in zip(mb.packed.indices, unpack(lp, mb.packed)):
+                        results[i] = row.float().cpu().tolist()
+            if lay.dp > 1:
+                from megatron.core import parallel_state as ps
+
+                parts: list[Any] = [None] * lay.dp
+                dist.all_gather_object(parts, results, group=ps.get_data_parallel_group())
+                results = {k: v for p in parts for k, v in p.items()}
+        results = self._from_last_stage(results)
+        return [results[i] for i in range(len(trajectories))]
+
+    def export_weights(self) -> dict[str, torch.Tensor]:
+        """Full HF-named weights on CPU (collective over TP and PP; same on every rank)."""
+        return gather_hf_weights(self.model, self.shape)
+
+    def save(self, path: str | Path) -> None:
+        """HF model (safetensors + config + tokenizer) under ``path/model``; per-rank optimizer state."""
+        from agentrl.learners.megatron.checkpoint import save_checkpoint
+
+        save_checkpoint(self, Path(path))
+
+    def load(self, path: str | Path) -> None:
+        from agentrl.learners.megatron.checkpoint import load_checkpoint
+
+        load_checkpoint(self, Path(path))

@@ -1,0 +1,108 @@
+"""Vocab-parallel token logprobs without a full [T, vocab] float32 tensor.
+
+Each tensor-parallel rank holds a slice of the output layer ``W`` [V/tp, H]. Tokens are processed
+in chunks: one chunk's local logits are made in float32, reduced across the TP group (max, sum of
+exponentials, target logit) and dropped; backward recomputes them chunk by chunk. Peak extra
+memory is one chunk's logits, not the sequence's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["vocab_parallel_logprobs"]
+
+
+def _chunk_logits(h: Tensor, w: Tensor, vocab_start: int, real_vocab: int, temperature: float) -> Tensor:
+    logits = (h @ w.t()).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    pad_from = real_vocab - vocab_start  # columns at or past the real vocab are padding
+    if pad_from < logits.shape[1]:
+        logits[:, max(pad_from, 0):] = float("-inf")
+    return logits
+
+
+class _VocabParallelLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, group: Any, vocab_start: int,
+                real_vocab: int, temperature: float, chunk_size: int) -> Tensor:
+        t, v_local = hidden.shape[0], weight.shape[0]
+        out = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        lse = torch.empty(t, dtype=torch.float32, device=hidden.device)
+        tp = dist.get_world_size(group) if group is not None else 1
+        for s in range(0, t, chunk_size):
+            e = min(s + chunk_size, t)
+            logits = _chunk_logits(hidden[s:e], weight, vocab_start, real_vocab, temperature)
+            local = labels[s:e] - vocab_start
+            inside = (local >= 0) & (local < v_local)
+            picked = logits.gather(1, local.clamp(0, v_local - 1)[:, None]).squeeze(1)
+            target = torch.where(inside, picked, torch.zeros_like(picked))
+            mx = logits.max(dim=1).values
+            if tp > 1:
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX, group=group)
+            sumexp = (logits - mx[:, None]).exp_().sum(dim=1)
+            if tp > 1:
+                dist.all_reduce(sumexp, group=group)
+                dist.all_reduce(target, group=group)
+            lse[s:e] = mx + sumexp.log()
+            out[s:e] = target - lse[s:e]
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.args = (vocab_start, real_vocab, temperature, chunk_size)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: Tensor) -> tuple:
+        hidden, weight, labels, lse = ctx.saved_tensors
+        vocab_start, real_vocab, temperature, chunk_size = ctx.args
+        v_local = weight.shape[0]
+        grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], chunk_size):
+            e = min(s + chunk_size, hidden.shape[0])
+            logits = _chunk_logits(hidden[s:e], weight, vocab_start, real_vocab, temperature)
+            # d logp / d logits = onehot(label) - softmax, scaled by the upstream grad / temperature
+            dlogits = logits.sub_(lse[s:e, None]).exp_().neg_()
+            local = labels[s:e] - vocab_start
+            inside = (local >= 0) & (local < v_local)
+            rows = torch.nonzero(inside).squeeze(1)
+            dlogits[rows, local[rows]] += 1.0
+            dlogits.mul_(grad_out[s:e, None] / temperature)
+            d = dlogits.to(weight.dtype)
+            if grad_h is not None:
+                grad_h[s:e] = d @ weight
+            if grad_w is not None:
+                grad_w.add_(d.t() @ hidden[s:e])
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None, None, None
+
+
+def vocab_parallel_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, group: Any = None,
+                            vocab_start: int = 0, real_vocab: int | None = None, temperature: float = 1.0,
+                            chunk_size: int = 1024) -> Tensor:
+    """``log softmax(hidden @ weight.T / temperature)[label]`` per token, float32 ``[T]``.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states, the same on every TP rank. Its gradient is this
+            rank's partial sum; wrap it in Megatron's ``copy_to_tensor_model_parallel_region``
+            (or the sequence-parallel gather) so backward reduces it across the group.
+        weight: ``[V_local, H]`` this rank's vocabulary slice, rows ``vocab_start ...``.
+        labels: ``[T]`` global token ids whose logprob is wanted.
+        group: the tensor-parallel process group (None for a single rank).
+        real_vocab: columns at or past this global index are padding and get probability 0.
+        temperature: logits are divided by it (the sampling temperature).
+        chunk_size: tokens per chunk.
+
+    Example:
+        >>> h, w = torch.randn(5, 8), torch.randn(11, 8)
+        >>> lp = vocab_parallel_logprobs(h, w, torch.tensor([1, 2, 3, 4, 5]))
+        >>> bool(torch.allclose(lp, torch.log_softmax(h @ w.T, -1)[range(5), [1, 2, 3, 4, 5]], atol=1e-5))
+        True
+    """
+    if real_vocab is None:
+        real_vocab = vocab_start + weight.shape[0]
+    return _VocabParallelLogprobs.apply(hidden, weight, labels, group, vocab_start, real_vocab,
+                                        float(temperature), int(chunk_size))

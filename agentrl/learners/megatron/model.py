@@ -1,0 +1,224 @@
+"""Megatron-Core GPTModel for Llama 3 / Qwen2 / Qwen3, built from a Hugging Face config.
+
+Parallelism state (`parallel_state`) must be initialized before `build_model`. The model is the
+stock ``GPTModel`` with two changes, both in `AgentGPTModel`:
+
+* RoPE is applied inside the project's core attention from cos/sin tables made once per
+  micro-batch from ``position_ids`` (which restart at 0 for every packed document), with the
+  HF config's RoPE type (default, llama3, linear, yarn, ...) via transformers' RoPE init functions.
+* The last stage returns float32 token logprobs ``[T]`` of the given ``labels`` instead of logits,
+  computed vocab-parallel in token chunks (`logprobs.vocab_parallel_logprobs`).
+
+Without TransformerEngine the layer spec is Megatron's local spec with `PackedCoreAttention` as
+``core_attention`` and `RMSNorm` (HF's float32 normalization) for every norm. With
+``attention == "te"`` and TransformerEngine importable, TE's spec and fused attention are used
+instead (untested here: no machine in this project has TE).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from torch import Tensor
+
+from agentrl.learners.megatron.attention import PackedAttentionParams, PackedCoreAttention
+from agentrl.learners.megatron.convert import ModelShape
+from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
+
+__all__ = ["AgentGPTModel", "RMSNorm", "build_model", "layer_spec", "rope_inv_freq", "transformer_config"]
+
+
+def _te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # HF's Llama/Qwen RMSNorm: normalize in float32, cast back, then scale.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+_compiled_rms_norm = torch.compile(_rms_norm, dynamic=False)
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm with HF's numerics, compiled on CUDA; usable as any Megatron norm (also q/k)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **_: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype,
+                                                    device="cpu" if config.use_cpu_initialization else "cuda"))
+        # Under sequence parallelism each TP rank sees different tokens: Megatron sums these grads.
+        self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        fn = _compiled_rms_norm if x.is_cuda else _rms_norm
+        return fn(x, self.weight, self.eps)
+
+
+def transformer_config(shape: ModelShape, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
+                       use_cpu_initialization: bool = False, **overrides: Any) -> TransformerConfig:
+    """A ``TransformerConfig`` for ``shape`` with the parallel degrees of ``mcfg`` (MegatronConfig)."""
+    kwargs: dict[str, Any] = dict(
+        num_layers=shape.num_layers, hidden_size=shape.hidden_size,
+        num_attention_heads=shape.num_heads, num_query_groups=shape.num_kv_heads,
+        kv_channels=shape.head_dim, ffn_hidden_size=shape.ffn_hidden_size,
+        normalization="RMSNorm", layernorm_epsilon=shape.rms_eps,
+        gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False, add_qkv_bias=shape.qkv_bias,
+        qk_layernorm=shape.qk_norm, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=mcfg.tensor_parallel_size,
+        pipeline_model_parallel_size=mcfg.pipeline_parallel_size,
+        context_parallel_size=mcfg.context_parallel_size,
+        sequence_parallel=mcfg.sequence_parallel and mcfg.tensor_parallel_size > 1,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype, pipeline_dtype=dtype,
+        use_cpu_initialization=use_cpu_initialization,
+        gradient_accumulation_fusion=False,  # needs apex's fused_weight_gradient_mlp_cuda
+        bias_activation_fusion=True,  # SwiGLU through Megatron's torch.compile'd fusion
+        masked_softmax_fusion=False, apply_rope_fusion=False, persist_layer_norm=False,
+        variable_seq_lengths=True,  # packed micro-batches differ in length (matters under PP)
+        moe_token_dispatcher_type="alltoall",  # no MoE; the default "allgather" refuses variable lengths
+        deallocate_pipeline_outputs=True,
+    )
+    if mcfg.activation_checkpointing:
+        kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(shape: ModelShape, attention: str) -> ModuleSpec:
+    """Transformer-layer spec: Megatron's local spec with the project's attention and norms."""
+    if attention == "te":
+        if not _te_available():
+            raise ImportError("learner.megatron.attention=te needs TransformerEngine, which is not importable; "
+                              "use 'flex' or 'sdpa'")
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
+    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+    sub = spec.submodules
+    sub.input_layernorm = RMSNorm
+    sub.pre_mlp_layernorm = RMSNorm
+    attn = sub.self_attention.submodules
+    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"backend": attention})
+    if shape.qk_norm:
+        attn.q_layernorm = RMSNorm
+        attn.k_layernorm = RMSNorm
+    return spec
+
+
+def rope_inv_freq(hf_config: Any) -> tuple[Tensor, float]:
+    """RoPE inverse frequencies [head_dim / 2] and the cos/sin scale of the HF config's RoPE type."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+    return inv_freq.float(), float(scale)
+
+
+class AgentGPTModel(GPTModel):
+    """GPTModel that applies RoPE in the core attention and returns token logprobs.
+
+    ``forward(input_ids [1, t], position_ids [1, t], attention_mask=None, labels=[1, t],
+    packed_seq_params=PackedAttentionParams)``: on the last pipeline stage, float32
+    ``log p(labels[i] | tokens <= i)`` ``[t]``; elsewhere the hidden states for the next stage.
+    """
+
+    def __init__(self, *args: Any, inv_freq: Tensor, rope_scale: float, real_vocab: int,
+                 rope_in_attention: bool = True, **kwargs: Any) -> None:
+        # With TE attention, Megatron's own RoPE runs instead (kwargs carry its settings).
+        kwargs.setdefault("position_embedding_type", "none" if rope_in_attention else "rope")
+        super().__init__(*args, **kwargs)
+        self.rope_in_attention = rope_in_attention
+        self._inv_freq = inv_freq  # plain attribute: stays float32 when the module is cast
+        self.rope_scale = rope_scale
+        self.real_vocab = real_vocab
+        self.temperature = 1.0
+        self.chunk_size = 1024
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
+                labels: Tensor | None = None, packed_seq_params: PackedAttentionParams | None = None,
+                **kwargs: Any) -> Tensor:
+        p = packed_seq_params
+        if p is not None and self.rope_in_attention and p.rope_cos is None:
+            inv = self._inv_freq.to(position_ids.device)
+            freqs = position_ids.reshape(-1, 1).float() * inv[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            p.rope_cos = (emb.cos() * self.rope_scale).to(self.config.params_dtype)
+            p.rope_sin = (emb.sin() * self.rope_scale).to(self.config.params_dtype)
+        return super().forward(input_ids, position_ids, attention_mask, labels=labels,
+                               packed_seq_params=p, **kwargs)
+
+    def _postprocess(self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor,
+                     labels: Tensor | None, *args: Any, **kwargs: Any) -> Tensor:
+        if not self.post_process:
+            return hidden_states
+        if labels is None:
+            raise ValueError("AgentGPTModel returns logprobs: pass labels (the next token ids)")
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights \
+            else self.output_layer.weight
+        tp_group = self.pg_collection.tp
+        if self.config.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=True, group=tp_group)
+        else:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(hidden_states, group=tp_group)
+        hidden = hidden.reshape(-1, hidden.shape[-1])  # [t, 1, H] -> [t, H]
+        v_local = weight.shape[0]
+        return vocab_parallel_logprobs(
+            hidden, weight, labels.reshape(-1),
+            group=tp_group if tp_group.size() > 1 else None,
+            vocab_start=tp_group.rank() * v_local, real_vocab=self.real_vocab,
+            temperature=self.temperature, chunk_size=self.chunk_size)
+
+
+def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
+                use_cpu_initialization: bool = False, **config_overrides: Any) -> AgentGPTModel:
+    """This rank's pipeline stage of the model (parallel_state must be initialized)."""
+    cfg = transformer_config(shape, mcfg, dtype=dtype, use_cpu_initialization=use_cpu_initialization,
+                             **config_overrides)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    if shape.num_kv_heads % tp:
+        raise ValueError(f"learner.megatron.tensor_parallel_size ({tp}) must divide the number of KV heads "
+                         f"({shape.num_kv_heads})")
+    spec: Any = layer_spec(shape, mcfg.attention)
+    if mcfg.attention != "te":
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(cfg), layer_norm=RMSNorm)
+    inv_freq, scale = rope_inv_freq(hf_config)
+    te_rope: dict[str, Any] = {}
+    if mcfg.attention == "te":
+        params = getattr(hf_config, "rope_parameters", None) or {}
+        if params.get("rope_type", "default") not in ("default", "llama3"):
+            raise ValueError(f"attention=te supports default and llama3 RoPE, not {params.get('rope_type')}")
+        te_rope = dict(rope_in_attention=False, rotary_base=int(params.get("rope_theta", 10000)),
+                       rope_scaling=params.get("rope_type") == "llama3",
+                       rope_scaling_factor=float(params.get("factor", 8.0)))
+    return AgentGPTModel(
+        cfg, spec, vocab_size=shape.padded_vocab_size(tp), max_sequence_length=shape.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=shape.tied_embeddings, parallel_output=True,
+        inv_freq=inv_freq, rope_scale=scale, real_vocab=shape.vocab_size, **te_rope,
+    )

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Megatron learner on the device machine. Usage (from the repo root, with .whl carried):
+#   bash bench/device_megatron.sh check   # GPU tests (1 GPU: HF parity, train step, save/load)
+#   bash bench/device_megatron.sh bench   # bench/learner.py (Megatron vs torch backend)
+#   bash bench/device_megatron.sh tp2     # TP=2 vs TP=1 logprobs (2 GPUs)
+# Steps can be combined: bash bench/device_megatron.sh check bench
+set -o pipefail
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers, megatron.core as m; print('torch', torch.__version__, 'transformers', transformers.__version__, 'mcore', m.__version__)"
+git rev-parse --short HEAD 2>/dev/null
+rc=0
+for step in "$@"; do
+  case $step in
+    check) python3 -m pytest -q -x -p no:cacheprovider tests/test_megatron_gpu.py -k "hf" -rA 2>&1 | tee "$OUT/check.log" || rc=1
+           find /tmp/pytest-of-*/ -name hf.json -exec cp {} "$OUT/hf.json" \; 2>/dev/null ;;
+    bench) python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/learner.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+    tp2)   python3 -m pytest -q -x -p no:cacheprovider tests/test_megatron_gpu.py -k "tensor_parallel" -rA 2>&1 | tee "$OUT/tp2.log" || rc=1 ;;
+    *) echo "unknown step $step"; rc=2 ;;
+  esac
+done
+exit $rc

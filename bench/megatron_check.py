@@ -1,0 +1,182 @@
+"""GPU correctness checks of the Megatron learner (run under torchrun; used by tests/test_megatron_gpu.py).
+
+Modes (all on a random Qwen2-shape model written to ``--workdir`` as an HF checkpoint, bf16):
+
+* ``hf``: (world 1) packed logprobs vs Hugging Face (bf16 SDPA, and float32 as the truth); one
+  ``train_step`` vs the torch learner on the same batch (loss, grad norm); save -> step -> load
+  restores weights, logprobs and the step counter.
+* ``logprobs``: (any world / TP) logprobs of the fixed trajectories, written to ``--out`` (JSON),
+  so TP=2 can be compared with TP=1.
+
+Example:
+    torchrun --nproc-per-node 1 bench/megatron_check.py --mode hf --workdir /tmp/mc --out /tmp/hf.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from pathlib import Path
+
+import torch
+
+__all__ = ["make_model_dir", "make_trajectories"]
+
+SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+             num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1000000.0)
+LENGTHS = [700, 1500, 37, 1200, 333, 2048, 90]
+
+
+def make_model_dir(path: Path) -> Path:
+    """A random Qwen2-shape HF checkpoint (bf16 safetensors), made once per workdir."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if (path / "config.json").exists():
+        return path
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.bfloat16)
+    with torch.no_grad():  # non-trivial norms and biases
+        for name, p in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def make_trajectories(seed: int = 0) -> list:
+    """Groups of multi-turn-like trajectories: a prompt (mask 0) then sampled tokens (mask 1)."""
+    from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+    rng = random.Random(seed)
+    groups = []
+    for g in range(2):
+        trajs = []
+        for n in LENGTHS[g::2] + LENGTHS[:1]:
+            p = max(1, n // 5)
+            trajs.append(Trajectory(
+                token_ids=[rng.randrange(SHAPE["vocab_size"]) for _ in range(n)],
+                loss_mask=[0] * p + [1] * (n - p),
+                behavior_logprobs=[0.0] * p + [-rng.uniform(0.5, 12.0) for _ in range(n - p)],
+                policy_versions=[-1] * p + [0] * (n - p),
+                turn_spans=[(p, n)], turn_rewards=[rng.choice([0.0, 1.0])],
+            ))
+        groups.append(TrajectoryGroup(task_id=f"t{g}", trajectories=trajs, group_id=g))
+    return groups
+
+
+def config(model_dir: Path, tp: int = 1, attention: str = "flex"):
+    from agentrl.config import load_config
+
+    return load_config(None, [
+        f"model.path={model_dir}", "model.dtype=bfloat16", "learner.backend=megatron", f"learner.num_gpus={tp}",
+        f"learner.megatron.tensor_parallel_size={tp}", f"learner.megatron.attention={attention}",
+        "packing.max_tokens_per_microbatch=4096", "rollout.max_total_tokens=2048", "engine.max_model_len=4096",
+        "rollout.temperature=0.9", "learner.lr=1e-4",
+    ])
+
+
+def hf_logprobs(model_dir: Path, trajs: list, dtype: torch.dtype, temperature: float) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa").cuda()
+    out = []
+    with torch.no_grad():
+        for t in trajs:
+            ids = torch.tensor([t.token_ids], device="cuda")
+            logits = model(ids).logits[0].float() / temperature
+            lp = torch.log_softmax(logits[:-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+            out.append(torch.cat([lp.new_zeros(1), lp]).cpu())
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def check_hf(args: argparse.Namespace) -> dict:
+    from agentrl.learners.megatron.learner import MegatronLearner
+    from agentrl.learners.torch_learner import TorchLearner
+
+    model_dir = make_model_dir(Path(args.workdir) / "model")
+    groups = make_trajectories()
+    trajs = [t for g in groups for t in g.trajectories]
+    cfg = config(model_dir, attention=args.attention)
+    temp = cfg.rollout.temperature
+    ref32 = hf_logprobs(model_dir, trajs, torch.float32, temp)
+    ref16 = hf_logprobs(model_dir, trajs, torch.bfloat16, temp)
+    learner = MegatronLearner(cfg)
+    mega = [torch.tensor(x) for x in learner.logprobs(trajs)]
+
+    def err(a: list, b: list) -> tuple[float, float]:
+        d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
+        return float(d.max()), float(d.mean())
+
+    res: dict = {"lengths": [len(t) for t in trajs]}
+    res["mega_vs_fp32_max"], res["mega_vs_fp32_mean"] = err(mega, ref32)
+    res["hfbf16_vs_fp32_max"], res["hfbf16_vs_fp32_mean"] = err(ref16, ref32)
+    res["mega_vs_hfbf16_max"], res["mega_vs_hfbf16_mean"] = err(mega, ref16)
+    res["first_token_zero"] = all(float(x[0]) == 0.0 for x in mega)
+
+    # Step 1 (compared with the torch learner below), then save; step 2; load; step 2 again.
+    m_metrics = learner.train_step(groups)
+    lp1 = [torch.tensor(x) for x in learner.logprobs(trajs)]
+    res["weights_changed"] = err(lp1, mega)[0] > 0
+    ck = Path(args.workdir) / "ckpt"
+    learner.save(ck)
+    m2 = learner.train_step(groups)
+    lp2 = [torch.tensor(x) for x in learner.logprobs(trajs)]
+    learner.load(ck)
+    res["reload_max_diff"] = err([torch.tensor(x) for x in learner.logprobs(trajs)], lp1)[0]
+    res["reload_version"] = learner.version
+    m2_again = learner.train_step(groups)
+    lp2_again = [torch.tensor(x) for x in learner.logprobs(trajs)]
+    res["resumed_step_loss"], res["first_step2_loss"] = m2_again["train/loss"], m2["train/loss"]
+    res["resumed_step_grad_norm"], res["first_step2_grad_norm"] = m2_again["train/grad_norm"], m2["train/grad_norm"]
+    res["resumed_step_lp_max_diff"] = err(lp2_again, lp2)[0]
+    res["step2_lp_change"] = err(lp2, lp1)[0]
+    from safetensors.torch import load_file
+
+    learner.load(ck)
+    saved = load_file(str(ck / "model" / "model.safetensors"))
+    exported = learner.export_weights()
+    res["export_equals_checkpoint"] = sorted(exported) == sorted(saved) and all(
+        torch.equal(exported[k], saved[k]) for k in exported)
+    # Same batch through the torch learner (HF model, same loss).
+    torch_learner = TorchLearner(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"num_gpus": 1})}),
+                                 device="cuda")
+    t_metrics = torch_learner.train_step(groups)
+    for k in ("train/loss", "train/grad_norm"):
+        res[f"megatron {k}"], res[f"torch {k}"] = m_metrics[k], t_metrics[k]
+    res["megatron_metrics"] = m_metrics
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=["hf", "logprobs"], required=True)
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--attention", default="flex")
+    args = ap.parse_args()
+    Path(args.workdir).mkdir(parents=True, exist_ok=True)
+    if args.mode == "hf":
+        res = check_hf(args)
+    else:
+        from agentrl.learners.megatron.learner import MegatronLearner
+
+        model_dir = Path(args.workdir) / "model"
+        if int(os.environ.get("RANK", 0)) == 0:
+            make_model_dir(model_dir)
+        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+        torch.distributed.barrier()
+        learner = MegatronLearner(config(model_dir, tp=args.tp, attention=args.attention))
+        trajs = [t for g in make_trajectories() for t in g.trajectories]
+        res = {"layout": learner.layout.describe(), "logprobs": learner.logprobs(trajs)}
+    if int(os.environ.get("RANK", 0)) == 0:
+        Path(args.out).write_text(json.dumps(res))
+        print(json.dumps({k: v for k, v in res.items() if k not in ("logprobs", "megatron_metrics")}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
