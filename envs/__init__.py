@@ -1,0 +1,56 @@
+"""Environments: ``TextEnv``, ``ToolEnv`` with ``@tool`` methods, a sandbox, and five built-in envs.
+
+Importing this package registers the built-ins with Gymnasium::
+
+    import gymnasium
+    import agentrl.envs  # noqa: F401
+
+    env = gymnasium.make("agentrl/Calculator-v0")
+    messages, info = env.reset(seed=0)  # info["tools"]: JSON schemas for apply_chat_template
+"""
+
+from __future__ import annotations
+
+import gymnasium
+
+from agentrl.envs.base import MAX_ACTION_CHARS, ChatMessages, Message, TextEnv, ToolEnv, Turn
+from agentrl.envs.calculator import CalculatorEnv
+from agentrl.envs.file_navigator import FileNavigatorEnv
+from agentrl.envs.python_sandbox import PythonSandboxEnv
+from agentrl.envs.sandbox import SandboxLimits, SandboxResult, run_sandboxed
+from agentrl.envs.search import SearchEnv
+from agentrl.envs.tools import ToolTimeoutError, tool
+from agentrl.envs.wordle import WordleEnv
+
+__all__ = [
+    "BUILTIN_ENV_IDS",
+    "MAX_ACTION_CHARS",
+    "CalculatorEnv",
+    "ChatMessages",
+    "FileNavigatorEnv",
+    "Message",
+    "PythonSandboxEnv",
+    "SandboxLimits",
+    "SandboxResult",
+    "SearchEnv",
+    "TextEnv",
+    "ToolEnv",
+    "ToolTimeoutError",
+    "Turn",
+    "WordleEnv",
+    "run_sandboxed",
+    "tool",
+]
+
+_BUILTINS = {
+    "Calculator": "agentrl.envs.calculator:CalculatorEnv",
+    "Search": "agentrl.envs.search:SearchEnv",
+    "PythonSandbox": "agentrl.envs.python_sandbox:PythonSandboxEnv",
+    "Wordle": "agentrl.envs.wordle:WordleEnv",
+    "FileNavigator": "agentrl.envs.file_navigator:FileNavigatorEnv",
+}
+BUILTIN_ENV_IDS = tuple(f"agentrl/{name}-v0" for name in _BUILTINS)
+
+for _name, _entry_point in _BUILTINS.items():
+    if f"agentrl/{_name}-v0" not in gymnasium.registry:  # re-imports must not warn about overriding
+        gymnasium.register(id=f"agentrl/{_name}-v0", entry_point=_entry_point)

@@ -1,0 +1,96 @@
+"""The sandbox contains what a policy's code does, gives a clear error, and leaves the env usable."""
+
+from __future__ import annotations
+
+import glob
+import os
+import tempfile
+import time
+
+import pytest
+
+from agentrl.chat import format_tool_call
+from agentrl.envs import PythonSandboxEnv, SandboxLimits, run_sandboxed
+
+LIMITS = SandboxLimits(cpu_time_s=1, wall_time_s=2.0, memory_mb=256, max_output_bytes=4096)
+ESCAPE = os.path.join(tempfile.gettempdir(), "agentrl-sandbox-escape-test.txt")
+
+CASES = {  # name: (code, text the tool message must contain, seconds it may take)
+    "infinite loop": ("while True:\n    pass", "[killed: ", 2.9),  # CPU or wall limit, whichever comes first
+    "sleeping forever": ("import time\ntime.sleep(60)", "wall-clock limit of 2 s exceeded", 2.9),
+    "memory bomb": ("x = bytearray(10**10)", "MemoryError", 1.0),
+    "growing memory": ("xs = []\nwhile True:\n    xs.append(' ' * 10**6)", "MemoryError", 1.9),
+    "fork bomb": ("import os\nwhile True:\n    os.fork()", "os.fork is not allowed", 1.0),
+    "os.system": ("import os\nos.system('echo hi')", "os.system is not allowed", 1.0),
+    "thread bomb": ("import threading, time\nfor _ in range(10**4):\n"
+                    "    threading.Thread(target=time.sleep, args=(5,), daemon=True).start()",
+                    "can't start new thread", 1.9),
+    "100 MB of output": ("import sys\nfor _ in range(1600):\n    sys.stdout.write('x' * 65536)",
+                         "[killed: output exceeded", 1.9),
+    "write outside": (f"open({ESCAPE!r}, 'w').write('escaped')", "writing outside the working directory", 1.0),
+    "os.open with dir_fd": (f"import os\nfd = os.open({tempfile.gettempdir()!r}, os.O_RDONLY)\n"
+                            "os.open('agentrl-sandbox-escape-test.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+                            "writing outside the working directory", 1.0),
+    "rename outside": (f"open('a', 'w').close()\nimport os\nos.rename('a', {ESCAPE!r})",
+                       "os.rename outside the working directory", 1.0),
+    "network socket": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)",
+                       "importing 'socket' is not allowed", 1.0),
+    "raw _socket": ("import _socket\n_socket.socket()", "importing '_socket' is not allowed", 1.0),
+    "subprocess": ("import subprocess\nsubprocess.run(['ls'])", "importing 'subprocess' is not allowed", 1.0),
+    "ctypes": ("import ctypes", "importing 'ctypes' is not allowed", 1.0),
+    "raising its own limits": ("import resource", "importing 'resource' is not allowed", 1.0),
+    "syntax error": ("def f(:\n", "SyntaxError", 1.0),
+}
+
+
+@pytest.fixture(scope="module")
+def env():
+    env = PythonSandboxEnv(cpu_time_s=1, wall_time_s=2.0, memory_mb=256, max_tool_output_chars=4096)
+    yield env
+    env.close()
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_contained_with_a_clear_error_and_env_still_usable(env, name):
+    code, expected, seconds = CASES[name]
+    env.reset(seed=0)
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "agentrl-sandbox-*")))
+    start = time.monotonic()
+    obs, reward, terminated, truncated, info = env.step(format_tool_call("run_python", {"code": code}))
+    elapsed = time.monotonic() - start
+    assert expected in obs[0]["content"], obs[0]["content"][-500:]
+    assert elapsed < seconds + 0.5, f"{name} took {elapsed:.2f} s"
+    assert len(obs[0]["content"]) < 4096 + 500 and not terminated and reward == 0.0
+    assert not os.path.exists(ESCAPE)
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "agentrl-sandbox-*"))) <= before  # workdir deleted
+    obs, *_ = env.step(format_tool_call("run_python", {"code": "print(sum(range(10)))"}))
+    assert obs == [{"role": "tool", "content": "45"}]
+
+
+def test_files_inside_the_working_directory_are_allowed():
+    result = run_sandboxed("import os, tempfile\nopen('a.txt', 'w').write('hi')\n"
+                           "tempfile.NamedTemporaryFile().write(b'x')\nprint(open('a.txt').read(), os.listdir('.'))",
+                           LIMITS)
+    assert result.status == "ok" and result.output.startswith("hi ['") and "a.txt" in result.output
+
+
+def test_output_before_a_crash_is_kept_and_exit_codes_reported():
+    result = run_sandboxed("print('partial')\nraise SystemExit(3)", LIMITS)
+    assert (result.status, result.exit_code) == ("error", 3) and result.describe() == "partial\n[exit code 3]"
+
+
+def test_cpu_limit_kills_a_busy_loop_before_a_generous_wall_clock_limit():
+    start = time.monotonic()
+    result = run_sandboxed("print('before')\nwhile True:\n    pass", SandboxLimits(cpu_time_s=1, wall_time_s=20.0))
+    assert result.status == "cpu_limit" and result.output == "before\n" and time.monotonic() - start < 20
+    assert result.describe() == "before\n[killed: CPU time limit of 1 s exceeded]"
+
+
+def test_traceback_shows_user_code_not_the_sandbox():
+    text = run_sandboxed("def f():\n    return 1 / 0\nf()", LIMITS).describe()
+    assert 'File "main.py", line 2, in f' in text and "ZeroDivisionError" in text and "_sandbox_child" not in text
+
+
+def test_standard_library_still_works():
+    code = "import json, re, math, itertools, collections, random, heapq, functools\nprint(json.dumps([math.pi > 3]))"
+    assert run_sandboxed(code, LIMITS).describe() == "[true]"
