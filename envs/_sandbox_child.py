@@ -1,7 +1,8 @@
 """Entry point of a sandbox process (run as ``python -I -S _sandbox_child.py CONFIG_JSON``).
 
 Applies resource limits, installs an audit hook (no process creation, no sockets, no writes outside
-the working directory, no blocked imports), then runs ``main.py`` from the working directory.
+the working directory, no reads outside it and the Python installation, no blocked imports), then
+runs ``main.py`` from the working directory.
 Only the standard library is used; nothing here is imported by agentrl itself.
 """
 
@@ -40,12 +41,16 @@ def _apply_limits(config: dict) -> None:
 def _install_hook(root: str, blocked_modules: frozenset) -> None:
     realpath, isabs, sep, fsdecode = os.path.realpath, os.path.isabs, os.sep, os.fsdecode
     spawn_events, path_events, write_flags = _SPAWN_EVENTS, dict(_PATH_EVENTS), _WRITE_FLAGS
+    writable = (root, "/dev/null")
+    readable = tuple({realpath(p) for p in (root, sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                                            f"/proc/{os.getpid()}", "/dev/null", "/dev/zero", "/dev/urandom",
+                                            __file__)})
 
-    def inside(path: object) -> bool:
+    def inside(path: object, roots: tuple = writable) -> bool:
         if isinstance(path, int):  # an already-open descriptor
             return True
         resolved = realpath(fsdecode(path))
-        return resolved == root or resolved.startswith(root + sep) or resolved == "/dev/null"
+        return any(resolved == r or resolved.startswith(r + sep) for r in roots)
 
     def hook(event: str, args: tuple) -> None:
         if event == "open":
@@ -55,6 +60,9 @@ def _install_hook(root: str, blocked_modules: frozenset) -> None:
             relative_os_open = mode is None and not isinstance(path, int) and not isabs(fsdecode(path))
             if writing and (not inside(path) or relative_os_open):
                 raise PermissionError(f"sandbox: writing outside the working directory is not allowed: {path!r}")
+            if not inside(path, readable):  # no credentials, other processes, or the env's own source
+                raise PermissionError(f"sandbox: reading outside the working directory and the Python "
+                                      f"standard library is not allowed: {path!r}")
         elif event == "import":
             name = args[0]
             if name in blocked_modules or name.partition(".")[0] in blocked_modules:

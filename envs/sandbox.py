@@ -7,7 +7,8 @@ Layers, each a backstop for the others:
 - resource limits set in the child before any user code runs: ``RLIMIT_CPU``, ``RLIMIT_AS``,
   ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` and ``RLIMIT_NPROC`` (Linux exempts uid 0 from the last one);
 - an audit hook (PEP 578) that refuses process creation, signals, sockets, writes outside the
-  working directory and imports of ``blocked_modules``;
+  working directory, reads outside it and the Python installation (no credentials, no other
+  processes' ``/proc`` entries, no hidden tests), and imports of ``blocked_modules``;
 - a network namespace (``unshare --net``) where the machine allows it;
 - a wall-clock deadline and an output cap, read incrementally, after which the whole process group
   is killed.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
@@ -132,3 +133,22 @@ def test_huge_and_pathological_actions_are_fast(env_id):
         start = time.monotonic()
         check_step(env, action)
         assert time.monotonic() - start < 3.0, f"slow on {action[:40]!r}"
+
+
+ASTEP_CALLS = {
+    "agentrl/Calculator-v0": ("calculate", {"expression": "(37 + 48) * 12"}),
+    "agentrl/Search-v0": ("search", {"query": "company founded"}),
+    "agentrl/PythonSandbox-v0": ("run_python", {"code": "print(sum(range(5)))"}),
+    "agentrl/FileNavigator-v0": ("ls", {"path": "/services"}),
+}
+
+
+@pytest.mark.parametrize("env_id", list(ASTEP_CALLS))
+def test_astep_matches_step(env_id):
+    env = make(env_id)
+    action = format_tool_call(*ASTEP_CALLS[env_id])
+    env.reset(seed=5)
+    expected = env.step(action)
+    env.reset(seed=5)
+    got = asyncio.run(env.astep(action))
+    assert got == expected and "error" not in got[4] and got[0][0]["role"] == "tool"

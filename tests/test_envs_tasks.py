@@ -6,6 +6,7 @@ information needed is reachable with the tools and the reward recognises a right
 
 from __future__ import annotations
 
+import asyncio
 import re
 
 import pytest
@@ -187,3 +188,25 @@ def test_python_sandbox_tasks_are_solvable_and_fakes_score_zero():
         env.reset(seed=seed)
         assert finish(env, "I would write a loop.") == (0.0, False)
     assert names == set(SOLUTIONS)
+
+
+def test_python_sandbox_astep_scores_off_the_event_loop():
+    env = PythonSandboxEnv(cpu_time_s=1, wall_time_s=3.0, memory_mb=256)
+    messages, _ = env.reset(seed=0)
+    answer = f"```python\n{solution(messages[-1]['content'], env.function_name)}\nimport time\ntime.sleep(0.3)\n```"
+    ticks = []
+
+    async def ticker():
+        for _ in range(100):
+            ticks.append(1)
+            await asyncio.sleep(0.01)
+
+    async def main():
+        task = asyncio.create_task(ticker())
+        result = await env.astep(answer)
+        task.cancel()
+        return result
+
+    _, reward, terminated, _, info = asyncio.run(main())
+    assert (reward, terminated, info["success"]) == (1.0, True, True)
+    assert len(ticks) >= 10  # the loop kept running while the hidden tests ran for >= 0.3 s

@@ -10,10 +10,11 @@ import time
 import pytest
 
 from agentrl.chat import format_tool_call
-from agentrl.envs import PythonSandboxEnv, SandboxLimits, run_sandboxed
+from agentrl.envs import PythonSandboxEnv, SandboxLimits, python_sandbox, run_sandboxed
 
 LIMITS = SandboxLimits(cpu_time_s=1, wall_time_s=2.0, memory_mb=256, max_output_bytes=4096)
 ESCAPE = os.path.join(tempfile.gettempdir(), "agentrl-sandbox-escape-test.txt")
+STDLIB_ESCAPE = os.path.join(os.path.dirname(os.__file__), "agentrl-sandbox-escape-test.txt")
 
 CASES = {  # name: (code, text the tool message must contain, seconds it may take)
     "infinite loop": ("while True:\n    pass", "[killed: ", 2.9),  # CPU or wall limit, whichever comes first
@@ -28,11 +29,14 @@ CASES = {  # name: (code, text the tool message must contain, seconds it may tak
     "100 MB of output": ("import sys\nfor _ in range(1600):\n    sys.stdout.write('x' * 65536)",
                          "[killed: output exceeded", 1.9),
     "write outside": (f"open({ESCAPE!r}, 'w').write('escaped')", "writing outside the working directory", 1.0),
-    "os.open with dir_fd": (f"import os\nfd = os.open({tempfile.gettempdir()!r}, os.O_RDONLY)\n"
+    "os.open with dir_fd": ("import os\nfd = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n"
                             "os.open('agentrl-sandbox-escape-test.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
                             "writing outside the working directory", 1.0),
     "rename outside": (f"open('a', 'w').close()\nimport os\nos.rename('a', {ESCAPE!r})",
                        "os.rename outside the working directory", 1.0),
+    "reading other processes": ("print(open('/proc/1/environ').read())", "reading outside the working", 1.0),
+    "reading the env's hidden tests": (f"print(open({python_sandbox.__file__!r}).read())",
+                                       "reading outside the working", 1.0),
     "network socket": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)",
                        "importing 'socket' is not allowed", 1.0),
     "raw _socket": ("import _socket\n_socket.socket()", "importing '_socket' is not allowed", 1.0),
@@ -61,7 +65,7 @@ def test_contained_with_a_clear_error_and_env_still_usable(env, name):
     assert expected in obs[0]["content"], obs[0]["content"][-500:]
     assert elapsed < seconds + 0.5, f"{name} took {elapsed:.2f} s"
     assert len(obs[0]["content"]) < 4096 + 500 and not terminated and reward == 0.0
-    assert not os.path.exists(ESCAPE)
+    assert not os.path.exists(ESCAPE) and not os.path.exists(STDLIB_ESCAPE)
     assert set(glob.glob(os.path.join(tempfile.gettempdir(), "agentrl-sandbox-*"))) <= before  # workdir deleted
     obs, *_ = env.step(format_tool_call("run_python", {"code": "print(sum(range(10)))"}))
     assert obs == [{"role": "tool", "content": "45"}]
