@@ -230,3 +230,11 @@ def test_chat_messages_space():
 def test_unknown_env_id_gets_gymnasiums_did_you_mean():
     with pytest.raises(gymnasium.error.NameNotFound, match="Did you mean: `Calculator`"):
         gymnasium.make("agentrl/Calculater-v0")
+
+
+def test_json_the_parser_cannot_convert_still_gives_an_error_not_an_exception():
+    env = make()
+    huge = '<tool_call>{"name": "add", "arguments": {"a": ' + "1" * 5000 + ', "b": 1}}</tool_call>'
+    obs, reward, terminated, truncated, info = env.step(huge)
+    assert not terminated and "error" in info and obs[0]["content"].startswith("Error: ")
+    assert env.step(call("add", a=2, b=3))[0] == [{"role": "tool", "content": "5"}]
