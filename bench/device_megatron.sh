@@ -17,7 +17,7 @@ for step in "$@"; do
   case $step in
     check) python3 -m pytest -q -x -p no:cacheprovider tests/test_megatron_gpu.py -k "hf" -rA 2>&1 | tee "$OUT/check.log" || rc=1
            find /tmp/pytest-of-*/ -name hf.json -exec cp {} "$OUT/hf.json" \; 2>/dev/null ;;
-    bench) python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/learner.py --out "$OUT/bench.json" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
+    bench) python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/learner.py --out "$OUT/bench.json" --profile "$OUT/profile.txt" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
     tp2)   python3 -m pytest -q -x -p no:cacheprovider tests/test_megatron_gpu.py -k "tensor_parallel" -rA 2>&1 | tee "$OUT/tp2.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac

@@ -97,7 +97,29 @@ def bench_torch(rows: list[dict], iters: int) -> int:
     return num_params
 
 
-def bench_megatron(rows: list[dict], iters: int, attentions: list[str]) -> None:
+def _profile(step, path: str | None) -> None:
+    """Top CUDA kernels and the CPU/GPU time of 3 steps (where the fixed per-step cost goes)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 3
+    events = prof.key_averages()
+    gpu = sum(e.self_device_time_total for e in events) / 3 / 1e6
+    table = events.table(sort_by="self_device_time_total", row_limit=30, max_name_column_width=60)
+    print(f"profile: wall {wall * 1e3:.1f} ms/step, GPU busy {gpu * 1e3:.1f} ms/step", flush=True)
+    print("\n".join(table.splitlines()[:22]), flush=True)
+    if path:
+        with open(path, "w") as f:
+            f.write(table)
+
+
+def bench_megatron(rows: list[dict], iters: int, attentions: list[str], profile_path: str | None = None) -> None:
     from transformers import Qwen2Config
 
     from agentrl.config import load_config
@@ -109,7 +131,9 @@ def bench_megatron(rows: list[dict], iters: int, attentions: list[str]) -> None:
                              "engine.max_model_len=4096"])
     learner = MegatronLearner(cfg, hf_config=Qwen2Config(**QWEN25_15B))
     layers = learner.model.decoder.layers
-    for attention in attentions:
+    for variant in attentions:
+        attention, _, option = variant.partition("+")
+        learner.model.keep_grad_logits = option == "keep"
         for layer in layers:
             layer.self_attention.core_attention.backend = attention
         for case, n in CASES.items():
@@ -120,7 +144,9 @@ def bench_megatron(rows: list[dict], iters: int, attentions: list[str]) -> None:
                 out = learner.ddp(mb.input_ids, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.params)
                 learner._token_logprobs(mb, out).sum().backward()
 
-            rows.append({"backend": f"megatron/{attention}", "case": case, "tokens": n * DOC, "s": _time(step, iters)})
+            rows.append({"backend": f"megatron/{variant}", "case": case, "tokens": n * DOC, "s": _time(step, iters)})
+            if profile_path and case == "4k" and variant == attentions[0]:
+                _profile(step, profile_path)
             learner.ddp.zero_grad_buffer()
             print(rows[-1], flush=True)
     print("peak memory GiB", torch.cuda.max_memory_allocated() / 2**30, flush=True)
@@ -130,7 +156,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--attention", default="flex,sdpa")
+    ap.add_argument("--attention", default="flex,sdpa,flex+keep",
+                    help="Megatron variants: core attention, '+keep' keeps d logp/d logits (no recompute)")
+    ap.add_argument("--profile", default=None, help="write a kernel table of the first variant at 4k here")
     ap.add_argument("--skip-torch", action="store_true")
     args = ap.parse_args()
     t0 = time.time()
@@ -138,7 +166,7 @@ def main() -> None:
     num_params = 1543714304  # Qwen2.5-1.5B shape, tied embedding counted once (what bench_torch counts)
     if not args.skip_torch:
         num_params = bench_torch(rows, args.iters)
-    bench_megatron(rows, args.iters, args.attention.split(","))
+    bench_megatron(rows, args.iters, args.attention.split(","), args.profile)
     base = {r["case"]: r for r in rows if r["backend"] == "torch/hf-sdpa"}
     print(f"\n{torch.cuda.get_device_name()}  N={num_params/1e9:.3f}B  ({time.time() - t0:.0f} s)")
     print(f"{'backend':20s} {'case':5s} {'ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'vs hf-sdpa':>10s}")

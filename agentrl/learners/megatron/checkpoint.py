@@ -106,6 +106,12 @@ def load_checkpoint(learner: Any, path: Path) -> None:
     by_name = {n: p for p, n in _param_names(learner.ddp.module).items()}
     for opt, entry in zip(_optimizers(learner.optimizer), saved["optimizers"] or []):
         opt.load_state_dict(entry["state_dict"])
+        # Megatron's torch-optimizer path hands every parameter the *same* "step" tensor, which
+        # torch's foreach Adam would then increment once per parameter: give each its own.
+        inner = getattr(opt, "optimizer", None)
+        for st in (inner.state.values() if inner is not None else []):
+            if torch.is_tensor(st.get("step")):
+                st["step"] = st["step"].clone()
         for name, tensors in entry.get("param_state", {}).items():
             opt._set_main_param_and_optimizer_states(by_name[name], tensors)
         if "param_state" in entry:

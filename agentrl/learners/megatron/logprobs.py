@@ -27,14 +27,24 @@ def _chunk_logits(h: Tensor, w: Tensor, vocab_start: int, real_vocab: int, tempe
     return logits
 
 
+def _dlogits(logits: Tensor, lse: Tensor, local: Tensor, inside: Tensor, temperature: float) -> Tensor:
+    """d logp / d logits = (onehot(label) - softmax) / temperature, float32; consumes ``logits``."""
+    d = logits.sub_(lse[:, None]).exp_().neg_()
+    rows = torch.nonzero(inside).squeeze(1)
+    d[rows, local[rows]] += 1.0
+    return d.div_(temperature) if temperature != 1.0 else d
+
+
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, group: Any, vocab_start: int,
-                real_vocab: int, temperature: float, chunk_size: int) -> Tensor:
+                real_vocab: int, temperature: float, chunk_size: int, keep_grad_logits: bool) -> Tensor:
         t, v_local = hidden.shape[0], weight.shape[0]
         out = torch.empty(t, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(t, dtype=torch.float32, device=hidden.device)
         tp = dist.get_world_size(group) if group is not None else 1
+        keep = keep_grad_logits and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
+        grad_logits = torch.empty(t, v_local, dtype=weight.dtype, device=hidden.device) if keep else None
         for s in range(0, t, chunk_size):
             e = min(s + chunk_size, t)
             logits = _chunk_logits(hidden[s:e], weight, vocab_start, real_vocab, temperature)
@@ -51,38 +61,38 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 dist.all_reduce(target, group=group)
             lse[s:e] = mx + sumexp.log()
             out[s:e] = target - lse[s:e]
-        ctx.save_for_backward(hidden, weight, labels, lse)
+            if grad_logits is not None:  # d out / d logits, kept so backward needs no recompute
+                grad_logits[s:e] = _dlogits(logits, lse[s:e], local, inside, temperature)
+        ctx.save_for_backward(hidden, weight, labels, lse, grad_logits)
         ctx.args = (vocab_start, real_vocab, temperature, chunk_size)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: Tensor) -> tuple:
-        hidden, weight, labels, lse = ctx.saved_tensors
+        hidden, weight, labels, lse, grad_logits = ctx.saved_tensors
         vocab_start, real_vocab, temperature, chunk_size = ctx.args
         v_local = weight.shape[0]
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk_size):
             e = min(s + chunk_size, hidden.shape[0])
-            logits = _chunk_logits(hidden[s:e], weight, vocab_start, real_vocab, temperature)
-            # d logp / d logits = onehot(label) - softmax, scaled by the upstream grad / temperature
-            dlogits = logits.sub_(lse[s:e, None]).exp_().neg_()
-            local = labels[s:e] - vocab_start
-            inside = (local >= 0) & (local < v_local)
-            rows = torch.nonzero(inside).squeeze(1)
-            dlogits[rows, local[rows]] += 1.0
-            dlogits.mul_(grad_out[s:e, None] / temperature)
-            d = dlogits.to(weight.dtype)
+            if grad_logits is not None:
+                d = grad_logits[s:e] * grad_out[s:e, None].to(weight.dtype)
+            else:
+                logits = _chunk_logits(hidden[s:e], weight, vocab_start, real_vocab, temperature)
+                local = labels[s:e] - vocab_start
+                inside = (local >= 0) & (local < v_local)
+                d = (_dlogits(logits, lse[s:e], local, inside, temperature) * grad_out[s:e, None]).to(weight.dtype)
             if grad_h is not None:
                 grad_h[s:e] = d @ weight
             if grad_w is not None:
                 grad_w.add_(d.t() @ hidden[s:e])
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), None, None, None, None, None, None
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), *([None] * 7)
 
 
 def vocab_parallel_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, group: Any = None,
                             vocab_start: int = 0, real_vocab: int | None = None, temperature: float = 1.0,
-                            chunk_size: int = 1024) -> Tensor:
+                            chunk_size: int = 1024, keep_grad_logits: bool = False) -> Tensor:
     """``log softmax(hidden @ weight.T / temperature)[label]`` per token, float32 ``[T]``.
 
     Args:
@@ -95,6 +105,8 @@ def vocab_parallel_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, g
         real_vocab: columns at or past this global index are padding and get probability 0.
         temperature: logits are divided by it (the sampling temperature).
         chunk_size: tokens per chunk.
+        keep_grad_logits: keep d logp / d logits (bf16 ``[T, V_local]``) from the forward pass
+            instead of recomputing the logits in backward: faster, more memory.
 
     Example:
         >>> h, w = torch.randn(5, 8), torch.randn(11, 8)
@@ -105,4 +117,4 @@ def vocab_parallel_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, g
     if real_vocab is None:
         real_vocab = vocab_start + weight.shape[0]
     return _VocabParallelLogprobs.apply(hidden, weight, labels, group, vocab_start, real_vocab,
-                                        float(temperature), int(chunk_size))
+                                        float(temperature), int(chunk_size), bool(keep_grad_logits))

@@ -158,6 +158,7 @@ class AgentGPTModel(GPTModel):
         self.real_vocab = real_vocab
         self.temperature = 1.0
         self.chunk_size = 1024
+        self.keep_grad_logits = False  # see logprobs.vocab_parallel_logprobs
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, packed_seq_params: PackedAttentionParams | None = None,
@@ -192,7 +193,7 @@ class AgentGPTModel(GPTModel):
             hidden, weight, labels.reshape(-1),
             group=tp_group if tp_group.size() > 1 else None,
             vocab_start=tp_group.rank() * v_local, real_vocab=self.real_vocab,
-            temperature=self.temperature, chunk_size=self.chunk_size)
+            temperature=self.temperature, chunk_size=self.chunk_size, keep_grad_logits=self.keep_grad_logits)
 
 
 def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
