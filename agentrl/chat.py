@@ -21,6 +21,7 @@ __all__ = [
     "parse_tool_calls",
 ]
 
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _PLACEHOLDER = "\u2063agentrl-placeholder\u2063"
 
@@ -52,37 +53,51 @@ def parse_tool_calls(text: str) -> ToolCallParse:
     if not isinstance(text, str):
         result.errors.append(f"assistant message must be text, got {type(text).__name__}")
         return result
-    for match in TOOL_CALL_RE.finditer(text):
-        body = match.group(1).strip()
-        try:
-            obj = json.loads(body)
-        except (json.JSONDecodeError, RecursionError) as exc:
-            result.errors.append(f"tool call is not valid JSON ({exc.__class__.__name__}: {str(exc)[:80]})")
-            continue
-        if not isinstance(obj, dict):
-            result.errors.append(f"tool call must be a JSON object, got {type(obj).__name__}")
-            continue
-        name = obj.get("name")
-        args = obj.get("arguments", {})
-        if isinstance(args, str):  # some models emit arguments as a JSON string
-            try:
-                args = json.loads(args)
-            except (json.JSONDecodeError, RecursionError):
-                result.errors.append("tool call 'arguments' is a string that is not valid JSON")
-                continue
-        if not isinstance(name, str) or not name:
-            result.errors.append("tool call needs a string 'name'")
-            continue
-        if not isinstance(args, dict):
-            result.errors.append(f"tool call 'arguments' must be an object, got {type(args).__name__}")
-            continue
-        result.calls.append(ToolCall(name=name, arguments=args))
-    rest = TOOL_CALL_RE.sub("", text)
-    if "<tool_call>" in rest:
-        result.errors.append("unterminated <tool_call> block (missing </tool_call>)")
-        rest = rest.split("<tool_call>", 1)[0]
+    # A linear scan (a lazy regex is quadratic on many unterminated tags, which a degenerate
+    # policy produces).
+    pos, rest_parts = 0, []
+    while True:
+        start = text.find(OPEN, pos)
+        if start < 0:
+            rest_parts.append(text[pos:])
+            break
+        end = text.find(CLOSE, start + len(OPEN))
+        if end < 0:
+            result.errors.append("unterminated <tool_call> block (missing </tool_call>)")
+            rest_parts.append(text[pos:start])
+            break
+        rest_parts.append(text[pos:start])
+        _parse_block(text[start + len(OPEN): end].strip(), result)
+        pos = end + len(CLOSE)
+    rest = "".join(rest_parts)
     result.content = rest.strip()
     return result
+
+
+def _parse_block(body: str, result: ToolCallParse) -> None:
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        result.errors.append(f"tool call is not valid JSON ({exc.__class__.__name__}: {str(exc)[:80]})")
+        return
+    if not isinstance(obj, dict):
+        result.errors.append(f"tool call must be a JSON object, got {type(obj).__name__}")
+        return
+    name = obj.get("name")
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # some models emit arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except (ValueError, RecursionError):
+            result.errors.append("tool call 'arguments' is a string that is not valid JSON")
+            return
+    if not isinstance(name, str) or not name:
+        result.errors.append("tool call needs a string 'name'")
+        return
+    if not isinstance(args, dict):
+        result.errors.append(f"tool call 'arguments' must be an object, got {type(args).__name__}")
+        return
+    result.calls.append(ToolCall(name=name, arguments=args))
 
 
 def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
