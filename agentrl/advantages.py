@@ -1,0 +1,178 @@
+"""Group-relative advantages (GRPO, RLOO, Dr. GRPO) and turn-level credit for multi-turn episodes.
+
+Every estimator is a baseline and a scale computed from the returns of the G episodes of one task:
+``A_i = (x_i - baseline_i) / scale_i``. For plain episode advantages ``x_i`` is the episode's
+return; for turn-level credit, the tokens of turn k get ``x = `` turn k's return-to-go, measured
+against the same group baseline. With discount 1 and a reward only at the end both coincide.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+
+import torch
+
+from agentrl.config import AdvantageConfig, ConfigError
+from agentrl.trajectory import TrajectoryGroup
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "build_advantage_estimator",
+    "group_advantages",
+    "group_baseline",
+    "trajectory_token_advantages",
+    "turn_returns",
+]
+
+Estimator = Callable[[torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
+"""``(returns [G], normalize_std, eps) -> (baseline [G], scale [G])``."""
+
+
+def _grpo(
+    returns: torch.Tensor, normalize_std: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    baseline = returns.mean().expand_as(returns)
+    scale = returns.std(correction=0) + eps if normalize_std else returns.new_ones(())
+    return baseline, scale.expand_as(returns)
+
+
+def _rloo(
+    returns: torch.Tensor, normalize_std: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Leave-one-out: each episode against the mean of the others (an unbiased baseline).
+    num = returns.numel()
+    if num < 2:
+        return returns.clone(), torch.ones_like(returns)
+    return (returns.sum() - returns) / (num - 1), torch.ones_like(returns)
+
+
+def _dr_grpo(
+    returns: torch.Tensor, normalize_std: bool, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Dr. GRPO drops the std division (it biases towards easy/hard groups); pair it with
+    # loss.aggregation = seq_mean_token_sum, not a per-sequence length normalization.
+    return returns.mean().expand_as(returns), torch.ones_like(returns)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "rloo": _rloo, "dr_grpo": _dr_grpo}
+"""``advantage.estimator`` -> baseline and scale of a group's returns."""
+
+
+def build_advantage_estimator(name: str) -> Estimator:
+    """Look up an advantage estimator by its ``advantage.estimator`` name.
+
+    Raises:
+        ConfigError: for an unknown name, with the closest known one.
+    """
+    try:
+        return ADVANTAGE_ESTIMATORS[name]
+    except KeyError:
+        hint = difflib.get_close_matches(name, list(ADVANTAGE_ESTIMATORS), n=1)
+        raise ConfigError(
+            f"unknown advantage.estimator '{name}'"
+            + (f"; did you mean '{hint[0]}'?" if hint else "")
+            + f" (known: {', '.join(ADVANTAGE_ESTIMATORS)})"
+        ) from None
+
+
+def group_baseline(
+    returns: torch.Tensor, estimator: str, *, normalize_std: bool = True, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Baseline and scale of each episode of a group: ``A_i = (x_i - baseline_i) / scale_i``.
+
+    A group whose returns all tie carries no relative signal: its baseline is the common return
+    (exactly, so episode advantages are exactly 0) and its scale 1 (not ``eps``, which would blow up
+    turn-level differences).
+
+    Args:
+        returns: ``[G]`` episode returns of one group.
+        estimator: ``"grpo"``, ``"rloo"`` or ``"dr_grpo"``.
+        normalize_std: GRPO only: divide by the group's population std plus ``eps``.
+        eps: added to the standard deviation.
+    """
+    fn = build_advantage_estimator(estimator)
+    if returns.numel() == 0 or bool((returns == returns.reshape(-1)[0]).all()):
+        return returns.clone(), torch.ones_like(returns)
+    return fn(returns, normalize_std, eps)
+
+
+def group_advantages(
+    rewards: torch.Tensor, estimator: str, *, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
+    """Advantages of the G episodes of one task from their rewards.
+
+    * ``grpo``: ``(r - mean) / (std + eps)`` (population std), or ``r - mean`` without
+      ``normalize_std``;
+    * ``rloo``: ``r_i - mean_{j≠i} r_j``;
+    * ``dr_grpo``: ``r - mean``.
+
+    Args:
+        rewards: ``[G]`` episode rewards.
+        estimator: a key of :data:`ADVANTAGE_ESTIMATORS`.
+        normalize_std: GRPO only (ignored by the others).
+        eps: added to the standard deviation.
+
+    Returns:
+        ``[G]`` advantages; all zeros when the rewards tie.
+
+    Example:
+        >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), "rloo")
+        tensor([ 0.6667, -0.6667, -0.6667,  0.6667])
+    """
+    baseline, scale = group_baseline(rewards, estimator, normalize_std=normalize_std, eps=eps)
+    return (rewards - baseline) / scale
+
+
+def turn_returns(turn_rewards: list[float], discount: float) -> list[float]:
+    """Return-to-go after each turn: ``G_k = Σ_{j ≥ k} discount^(j-k) · r_j``.
+
+    Example:
+        >>> turn_returns([0.0, 1.0, 2.0], 0.5)
+        [1.0, 2.0, 2.0]
+    """
+    returns = [0.0] * len(turn_rewards)
+    acc = 0.0
+    for k in range(len(turn_rewards) - 1, -1, -1):
+        acc = float(turn_rewards[k]) + discount * acc
+        returns[k] = acc
+    return returns
+
+
+def trajectory_token_advantages(group: TrajectoryGroup, cfg: AdvantageConfig) -> list[list[float]]:
+    """Per-token advantages of every trajectory of a group, with turn-level credit.
+
+    Each trajectory's return is ``G_0`` (its discounted return from the first turn); the group
+    baseline and scale come from the returns of the trainable trajectories. Every sampled token
+    (``loss_mask == 1``) of turn k (``turn_spans[k]``) gets ``(G_k - baseline) / scale``, where
+    ``G_k`` is turn k's return-to-go (:func:`turn_returns`; a turn without a reward of its own has
+    the return-to-go of the rewards after it, 0 past the last one). Prompt and observation tokens
+    get 0. A trajectory without ``turn_spans`` is one turn. Failed trajectories take no part in the
+    baseline and get all zeros.
+
+    Args:
+        group: the G episodes of one task.
+        cfg: the ``advantage`` section of the config.
+
+    Returns:
+        One list per trajectory (in ``group.trajectories`` order), as long as its ``token_ids``.
+    """
+    out = [[0.0] * len(t) for t in group.trajectories]
+    live = [i for i, t in enumerate(group.trajectories) if t.status != "failed"]
+    if not live:
+        return out
+    per_turn = [turn_returns(group.trajectories[i].turn_rewards, cfg.turn_discount) for i in live]
+    episode = torch.tensor([g[0] if g else 0.0 for g in per_turn], dtype=torch.float64)
+    baseline, scale = group_baseline(
+        episode, cfg.estimator, normalize_std=cfg.normalize_std, eps=cfg.eps
+    )
+    for j, i in enumerate(live):
+        traj = group.trajectories[i]
+        spans = traj.turn_spans or [(0, len(traj))]
+        for k, (start, end) in enumerate(spans):
+            g_k = per_turn[j][k] if k < len(per_turn[j]) else 0.0
+            adv = (g_k - float(baseline[j])) / float(scale[j])
+            for pos in range(start, end):
+                if traj.loss_mask[pos]:
+                    out[i][pos] = adv
+    return out
