@@ -1,0 +1,385 @@
+"""Forward of a Hugging Face causal LM on packed sequences, and chunked token logprobs.
+
+How the per-document mask reaches the model (transformers 5.x): the model's attention
+implementation is switched to :data:`PACKED_ATTENTION`, a function registered in transformers'
+``AttentionInterface`` (with ``sdpa_mask`` as its mask builder, so ordinary unpacked calls such
+as generation or a right-padded batch behave exactly like ``"sdpa"``). For a packed call the
+decoder body gets ``position_ids`` that restart per sequence and a ready mask mapping
+(``attention_mask={"full_attention": ...}``), which makes transformers skip its own mask
+construction:
+
+* on CPU the mapping holds ``None`` and the sequence boundaries travel as the
+  ``cu_seq_lens_q/k`` keyword arguments (the names of transformers' ``FlashAttentionKwargs``);
+  attention runs ``scaled_dot_product_attention(is_causal=True)`` on each document's slice, so
+  cost is Σ len² instead of T² and no ``[T, T]`` mask exists (FlexAttention has no CPU backward,
+  and a dense 4-D block-diagonal mask was 2.9× slower here);
+* on CUDA the mapping holds a FlexAttention ``BlockMask`` (document-causal), run by compiled
+  ``flex_attention``, which skips the masked blocks.
+
+Passing packed ``position_ids`` alone is not enough: transformers only derives a packed mask
+from them when no cache exists, and ``use_cache`` defaults to True in forward (a cache is
+created), so the sequences would silently attend to each other.
+
+Logprobs never materialize ``[T, vocab]``: the LM head, ``log_softmax`` and the gather run per
+chunk of ``chunk_size`` tokens inside a custom autograd function whose backward recomputes each
+chunk's logits, so only ``[chunk_size, vocab]`` is alive at a time.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from agentrl.packing import PackedBatch
+
+__all__ = [
+    "PACKED_ATTENTION",
+    "chunked_logprobs",
+    "enable_packed_attention",
+    "packed_token_logprobs",
+    "padded_token_logprobs",
+]
+
+PACKED_ATTENTION = "agentrl_packed"
+"""Name under which the packed attention function is registered in transformers."""
+
+_compiled_flex: Any = None
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked logprobs
+# ----------------------------------------------------------------------------------------------
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log_softmax(hidden @ weight.T / temperature)[targets], chunk by chunk, recomputed in backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk_size):  # type: ignore[override]
+        compute = torch.promote_types(hidden.dtype, torch.float32)  # float64 stays float64
+        out = torch.empty(hidden.shape[0], dtype=compute, device=hidden.device)
+        lse = torch.empty_like(out)
+        for s in range(0, hidden.shape[0], chunk_size):
+            logits = (hidden[s : s + chunk_size] @ weight.T).to(compute).div_(temperature)  # [C, V]
+            lse[s : s + chunk_size] = torch.logsumexp(logits, dim=-1)
+            out[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None])[:, 0]
+        out -= lse
+        ctx.save_for_backward(hidden, weight, targets, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):  # type: ignore[override]
+        hidden, weight, targets, lse = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = (
+            torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
+            if need_weight
+            else None
+        )
+        for s in range(0, hidden.shape[0], chunk_size):
+            h = hidden[s : s + chunk_size]
+            g = grad_out[s : s + chunk_size, None].to(lse.dtype)  # [C, 1]
+            # d logprob / d logits = onehot(target) - softmax; softmax rebuilt in place from lse.
+            grad_logits = (h @ weight.T).to(lse.dtype).div_(temperature)
+            grad_logits.sub_(lse[s : s + chunk_size, None]).exp_().mul_(-g)
+            grad_logits.scatter_add_(1, targets[s : s + chunk_size, None], g)
+            grad_logits = grad_logits.div_(temperature).to(hidden.dtype)  # [C, V]
+            if need_hidden:
+                grad_hidden[s : s + chunk_size] = grad_logits @ weight
+            if need_weight:
+                grad_weight += (grad_logits.T @ h).to(grad_weight.dtype)
+        if need_weight:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """Log-probability of each target under ``softmax(hidden @ lm_head_weight.T / temperature)``.
+
+    Only ``[chunk_size, V]`` logits exist at a time, in forward and in backward (which recomputes
+    them), instead of ``[T, V]`` float32: 150k vocab × 16k tokens would be ~10 GB.
+
+    Args:
+        hidden: ``[T, H]`` final hidden states.
+        lm_head_weight: ``[V, H]`` output embedding.
+        targets: ``[T]`` token ids; ``out[t]`` scores ``targets[t]`` from ``hidden[t]``.
+        temperature: Sampling temperature the logits are divided by (> 0).
+        chunk_size: Tokens per chunk.
+
+    Returns:
+        ``[T]`` logprobs, float32 (float64 for float64 inputs), differentiable w.r.t. ``hidden``
+        and ``lm_head_weight``.
+
+    Example:
+        >>> h, w, y = torch.randn(5, 8), torch.randn(11, 8), torch.randint(0, 11, (5,))
+        >>> ref = torch.log_softmax(h @ w.T, -1).gather(1, y[:, None])[:, 0]
+        >>> torch.allclose(chunked_logprobs(h, w, y, chunk_size=2), ref, atol=1e-6)
+        True
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive to score tokens, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"expected hidden [T, H] and targets [T], got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+        )
+    return _ChunkedLogprobs.apply(
+        hidden, lm_head_weight, targets.long(), float(temperature), int(chunk_size)
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed attention, registered with transformers
+# ----------------------------------------------------------------------------------------------
+
+
+def _packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Any,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    # query [B, H, T, D], key/value [B, H_kv, T, D] -> ([B, T, H, D], no attention weights)
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    cu_seqlens = kwargs.get("cu_seq_lens_q")
+    packed = isinstance(attention_mask, BlockMask) or (
+        cu_seqlens is not None and attention_mask is None
+    )
+    if not packed:  # an ordinary call (generation, a right-padded batch): exactly "sdpa"
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
+    if sliding_window is not None:
+        raise NotImplementedError("packed attention does not support sliding-window layers")
+    gqa = query.shape[1] != key.shape[1]
+    if isinstance(attention_mask, BlockMask):
+        global _compiled_flex
+        if _compiled_flex is None:
+            _compiled_flex = torch.compile(flex_attention)
+        out = _compiled_flex(
+            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa
+        )
+    else:
+        bounds = cu_seqlens.tolist()
+        out = torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    query[:, :, s:e],
+                    key[:, :, s:e],
+                    value[:, :, s:e],
+                    dropout_p=dropout,
+                    is_causal=True,
+                    scale=scaling,
+                    enable_gqa=gqa,
+                )
+                for s, e in itertools.pairwise(bounds)
+            ],
+            dim=2,
+        )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def enable_packed_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` to the :data:`PACKED_ATTENTION` implementation (idempotent).
+
+    Unpacked calls keep behaving like ``"sdpa"``; packed calls from :func:`packed_token_logprobs`
+    attend within each document only.
+
+    Raises:
+        ValueError: The model does not dispatch attention through transformers' AttentionInterface.
+    """
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    if PACKED_ATTENTION not in AttentionInterface._global_mapping:
+        AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+        AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+    if model.config._attn_implementation != PACKED_ATTENTION:
+        model.set_attn_implementation(PACKED_ATTENTION)
+    if model.config._attn_implementation != PACKED_ATTENTION:
+        raise ValueError(
+            f"{type(model).__name__} cannot switch its attention implementation (it does not use "
+            "transformers' AttentionInterface), so it cannot run packed sequences; use packing.algorithm=none"
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# Logprobs of a packed micro-batch and of a padded one
+# ----------------------------------------------------------------------------------------------
+
+
+def _lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError(
+            f"{type(model).__name__}: an LM head with a bias is not supported"
+        )
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(model.config, name, None):
+            raise NotImplementedError(
+                f"{type(model).__name__}: config.{name} is not supported by chunked logprobs"
+            )
+    return head.weight
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _mask_mapping(model: torch.nn.Module, mask: Any) -> dict[str, Any]:
+    # A dict makes transformers use these masks as given (one entry per layer type).
+    return {t: mask for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
+
+
+def _scores_at(
+    hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    keep: torch.Tensor,
+    weight: torch.Tensor,
+    **kw: Any,
+) -> torch.Tensor:
+    # hidden [M, H], input_ids [M], keep [M] bool (never True at 0): out[p] = log p(ids[p] | hidden[p-1]).
+    where = keep.nonzero()[:, 0]
+    scores = chunked_logprobs(hidden[where - 1], weight, input_ids[where], **kw)
+    return torch.zeros(keep.shape, dtype=scores.dtype, device=scores.device).masked_scatter(
+        keep, scores
+    )
+
+
+def packed_token_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0, chunk_size: int = 1024
+) -> torch.Tensor:
+    """Per-token logprobs of a packed micro-batch, each sequence attending only to itself.
+
+    The model is switched to :data:`PACKED_ATTENTION` on first use (see
+    :func:`enable_packed_attention`). Works with models that follow transformers 5's mask-mapping
+    convention (Llama, Qwen2/2.5/3, Mistral, ...).
+
+    Args:
+        model: A transformers causal LM (e.g. ``Qwen2ForCausalLM``).
+        batch: Packed sequences from :func:`agentrl.packing.pack_sequences`.
+        temperature: Logits are divided by it before ``log_softmax``.
+        chunk_size: Tokens per LM-head chunk (``packing.logprob_chunk_size``).
+
+    Returns:
+        ``[T]`` float32: ``out[t] = log p(input_ids[t] | earlier tokens of its sequence)``, 0 at
+        the first token of every sequence and on padding. Differentiable w.r.t. the model's
+        parameters. Use :func:`agentrl.packing.unpack` to get per-sequence tensors back.
+    """
+    enable_packed_attention(model)
+    device = _device(model)
+    batch = batch.to(device)
+    total = batch.input_ids.shape[1]
+    if total == 0:
+        return torch.zeros(0, device=device)
+    if device.type == "cuda":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        doc = batch.document_ids()
+
+        def document_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
+            return (doc[q] == doc[kv]) & (q >= kv)
+
+        mask = create_block_mask(document_causal, None, None, total, total, device=device)
+        extra: dict[str, Any] = {}
+    else:
+        mask = None
+        extra = {
+            "cu_seq_lens_q": batch.cu_seqlens,
+            "cu_seq_lens_k": batch.cu_seqlens,
+            "max_length_q": batch.max_seqlen,
+            "max_length_k": batch.max_seqlen,
+        }
+    body = model.get_decoder()
+    hidden = body(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        attention_mask=_mask_mapping(model, mask),
+        use_cache=False,
+        **extra,
+    ).last_hidden_state[0]  # [T, H]
+    keep = batch.real_mask()[0] & (batch.position_ids[0] > 0)
+    return _scores_at(
+        hidden,
+        batch.input_ids[0],
+        keep,
+        _lm_head_weight(model),
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
+
+
+def padded_token_logprobs(
+    model: torch.nn.Module,
+    token_ids: Sequence[Sequence[int]],
+    *,
+    temperature: float = 1.0,
+    pad_id: int = 0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """The same quantity as :func:`packed_token_logprobs`, from an ordinary right-padded batch.
+
+    Args:
+        model: A transformers causal LM.
+        token_ids: The sequences (lists or 1-D tensors).
+        temperature: Logits are divided by it before ``log_softmax``.
+        pad_id: Token id written on padding.
+        chunk_size: Tokens per LM-head chunk.
+
+    Returns:
+        ``[N, max_len]`` logprobs; 0 at each first token and on padding.
+    """
+    device = _device(model)
+    seqs = [torch.as_tensor(s, dtype=torch.long).reshape(-1) for s in token_ids]
+    if not seqs:
+        return torch.zeros(0, 0, device=device)
+    lens = torch.tensor([s.numel() for s in seqs], device=device)
+    ids = torch.nn.utils.rnn.pad_sequence(seqs, batch_first=True, padding_value=pad_id).to(
+        device
+    )  # [N, L]
+    cols = torch.arange(ids.shape[1], device=device)
+    real = cols[None, :] < lens[:, None]  # [N, L]
+    hidden = model.get_decoder()(
+        input_ids=ids, attention_mask=real.long(), use_cache=False
+    ).last_hidden_state
+    keep = (real & (cols[None, :] > 0)).reshape(-1)
+    scores = _scores_at(
+        hidden.reshape(-1, hidden.shape[-1]),
+        ids.reshape(-1),
+        keep,
+        _lm_head_weight(model),
+        temperature=temperature,
+        chunk_size=chunk_size,
+    )
+    return scores.reshape(ids.shape)
