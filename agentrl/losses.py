@@ -311,7 +311,8 @@ def compute_policy_loss(
 
     Returns:
         ``(loss, metrics)``: a scalar loss to backpropagate, and detached scalar metrics named
-        ``train/...``, averaged over this batch's masked tokens (or sequences).
+        ``train/...``: means over this batch's own masked tokens (or sequences), not shares of the
+        global batch; merge micro-batches by a token-weighted mean (``max`` for ``*_max`` keys).
 
     Example:
         >>> lp = torch.zeros(2, 3, requires_grad=True)
@@ -384,9 +385,8 @@ def compute_policy_loss(
     with torch.no_grad():
         has_tokens = mask.any(-1)
         metrics = {
-            "train/policy_loss": aggregate_token_losses(
-                pg_per_token, mask, cfg.aggregation, **counts
-            ),
+            # This batch's own mean (local counts), like every metric here.
+            "train/policy_loss": aggregate_token_losses(pg_per_token, mask, cfg.aggregation),
             "train/ratio_mean": _masked_mean(ratio_value, mask),
             "train/clip_frac_low": _masked_mean(clip_low.to(dtype), mask),
             "train/clip_frac_high": _masked_mean(clip_high.to(dtype), mask),

@@ -238,6 +238,16 @@ def test_metrics_on_a_handmade_batch() -> None:
     )
     assert float(m["train/mismatch_logprob_diff_max"]) == pytest.approx(log(4))
     assert "train/kl_ref" not in m
+    # Metrics are this batch's own means, whatever global counts the loss is normalized by.
+    loss_global, m_global = compute_policy_loss(
+        logprobs, prox, behavior, adv, mask, cfg, num_tokens=40.0
+    )
+    assert float(loss_global) == pytest.approx(float(loss) / 10)
+    assert (
+        float(m_global["train/policy_loss"])
+        == float(m["train/policy_loss"])
+        == pytest.approx(float(loss))
+    )
     masked_cfg = LossConfig(
         importance_sampling=ImportanceSamplingConfig(type="token_mask", low=0.5, high=2.0)
     )
