@@ -145,4 +145,7 @@ class ChatRenderer:
         return self.encode(delta)
 
     def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        """The text an env sees for sampled ids: EOS and padding dropped, but special tokens that
+        carry meaning (``<tool_call>`` is one in many tokenizers) kept."""
+        drop = {self.eos_token_id, self.tokenizer.pad_token_id}
+        return self.tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)
