@@ -24,14 +24,18 @@ SPECIAL_TOKENS = [
     "</tool_response>",
 ]
 
-# Qwen2.5-style: tools listed in the system turn, tool results come back as user turns wrapped in
+# Qwen2.5-style turns and tool calls; tool results come back as user turns wrapped in
 # <tool_response>. Every assistant turn ends with <|im_end|> (the EOS token), which chat.py relies on.
+# Tools are listed as one-line signatures rather than Qwen's full JSON schemas: a ~1M-parameter
+# model learns faster with a prompt of ~80 tokens than of ~250.
 CHAT_TEMPLATE = (
     "{% if tools %}"
     "<|im_start|>system\n"
     "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\nCall a function by writing <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>.\n"
-    "<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools><|im_end|>\n"
+    "# Tools\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\n"
+    "{% for tool in tools %}{% set fn = tool.function if tool.function is defined else tool %}"
+    "- {{ fn.name }}({% for arg in (fn.parameters or {}).get('properties', {}) %}{{ arg }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}): {{ fn.description }}\n{% endfor %}<|im_end|>\n"
     "{% elif messages[0].role == 'system' %}"
     "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
     "{% endif %}"
