@@ -18,6 +18,7 @@ class ReplayActor:
     def __init__(self, capacity: int, max_staleness: int, groups_per_step: int) -> None:
         self.queue = ReplayQueue(capacity, max_staleness, groups_per_step)
         self._cond: asyncio.Condition | None = None
+        self._weights: list[Any] = []  # [ObjectRef] of the weights the engines serve (wrapped: not resolved)
 
     @property
     def cond(self) -> asyncio.Condition:
@@ -54,10 +55,17 @@ class ReplayActor:
             self.cond.notify_all()
             return batch  # type: ignore[return-value]
 
-    async def set_weights_version(self, version: int) -> None:
+    async def set_weights_version(self, version: int, weights: list[Any] | None = None) -> None:
+        """Record the version the engines now serve, and (``[ref]``) where its weights are, so a
+        restarted engine can load them before taking work."""
         async with self.cond:
             self.queue.set_weights_version(version)
+            if weights is not None:
+                self._weights = list(weights)
             self.cond.notify_all()
+
+    def latest_weights(self) -> tuple[int, list[Any]]:
+        return self.queue.weights_version, self._weights
 
     def metrics(self) -> dict[str, float]:
         return self.queue.metrics()

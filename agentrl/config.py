@@ -239,6 +239,8 @@ class RefitConfig(Section):
 class TrainConfig(Section):
     num_steps: int = Field(10, ge=0)
     """Learner steps (optimizer steps) to run."""
+    time_limit_s: float | None = Field(None, gt=0)
+    """Stop after the learner step that crosses this much wall time (None: no limit)."""
     checkpoint_dir: str | None = None
     """Where checkpoints go; defaults to RUN_DIR/checkpoints."""
     checkpoint_interval: int = Field(0, ge=0)

@@ -96,9 +96,12 @@ async def run_episode(
             raise EpisodeFailed(f"prompt of {len(ep.ids)} tokens leaves no room (rollout.max_total_tokens)")
         for turn in range(cfg.max_turns):
             budget = min(cfg.max_new_tokens, cfg.max_total_tokens - len(ep.ids))
-            out = await client.generate(
-                ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id
-            )
+            try:
+                out = await client.generate(
+                    ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id
+                )
+            except Exception as exc:  # the engine died or refused: drop the episode, count it
+                raise EpisodeFailed(f"engine error: {type(exc).__name__}: {str(exc)[:200]}") from exc
             start = len(ep.ids)
             ep.extend(out.token_ids, sampled=True, logprobs=out.logprobs, versions=out.versions)
             spans.append((start, len(ep.ids)))

@@ -81,9 +81,9 @@ class Trainer:
             cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step
         )
         self.engines = [
-            EngineActor.options(num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus).remote(
-                self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i
-            )
+            EngineActor.options(
+                num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus, max_restarts=-1, max_task_retries=0
+            ).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=self.replay)
             for i in range(cfg.engine.num_engines)
         ]
         self.learner = LearnerActor.options(num_cpus=cfg.learner.num_cpus, num_gpus=min(cfg.learner.num_gpus, 1)).remote(
@@ -103,7 +103,7 @@ class Trainer:
         t0 = time.perf_counter()
         weights = self.learner.export_weights.remote()  # an ObjectRef: stored once, read by each engine
         ray.get([e.update_weights.remote(weights, self.version, self.cfg.refit.mode) for e in self.engines])
-        ray.get(self.replay.set_weights_version.remote(self.version))
+        ray.get(self.replay.set_weights_version.remote(self.version, [weights]))
         return time.perf_counter() - t0
 
     def evaluate(self, label: str) -> dict[str, float]:
@@ -173,6 +173,8 @@ class Trainer:
         t_start = time.perf_counter()
         with TrainProgress(cfg.train.num_steps, start=self.step, enabled=self.progress) as bar:
             while self.step < cfg.train.num_steps:
+                if cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s:
+                    break
                 t0 = time.perf_counter()
                 groups = ray.get(self.replay.take.remote(cfg.replay.groups_per_step, self.version))
                 t1 = time.perf_counter()

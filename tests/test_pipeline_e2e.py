@@ -1,6 +1,12 @@
 """End to end on CPU: real Ray actors, a real vLLM engine, the torch learner, refits."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -21,8 +27,8 @@ def start_ray():
                  runtime_env={"env_vars": {"PYTHONPATH": REPO}})
 
 
-def e2e_config(model_dir, run_dir, *extra):
-    return load_config(None, [
+def e2e_overrides(model_dir, run_dir, *extra):
+    return [
         f"model.path={model_dir}", f"run_dir={run_dir}", f"env.id={TEST_ENV}",
         "rollout.num_actors=2", "rollout.group_size=4", "rollout.max_concurrent_groups=2",
         "rollout.max_new_tokens=24", "rollout.max_turns=2", "rollout.max_total_tokens=512",
@@ -30,7 +36,11 @@ def e2e_config(model_dir, run_dir, *extra):
         "replay.groups_per_step=2", "replay.max_staleness=1", "replay.capacity=8",
         "packing.max_tokens_per_microbatch=1024", "train.num_steps=3", "refit.interval=1",
         "eval.num_episodes=0", "cluster.num_cpus=2", *extra,
-    ])
+    ]
+
+
+def read_rows(run_dir):
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_missing_model_path_fails_before_any_actor(tmp_path):
@@ -41,13 +51,16 @@ def test_missing_model_path_fails_before_any_actor(tmp_path):
         Trainer(cfg)
 
 
-def test_train_three_steps_with_refit(tiny_model_dir, tmp_path):
+@pytest.fixture(scope="module")
+def e2e_run(tiny_model_dir, tmp_path_factory):
+    """Three learner steps with a refit after each, on 2 rollout actors and 1 vLLM engine."""
     import ray
 
     from agentrl.trainer import Trainer
     from agentrl.trajectory import Trajectory
 
-    cfg = e2e_config(tiny_model_dir, tmp_path / "run")
+    run_dir = tmp_path_factory.mktemp("e2e") / "run"
+    cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "eval.num_episodes=8"))
     start_ray()
     trainer = Trainer(cfg, progress=False)
     try:
@@ -56,21 +69,28 @@ def test_train_three_steps_with_refit(tiny_model_dir, tmp_path):
         engine = trainer.engines[0]
         before = ray.get(engine.score.remote(fixed))
         trainer.run()
-        assert trainer.version == 3
-        assert ray.get(engine.version.remote()) == 3
-        after = ray.get(engine.score.remote(fixed))
-        traj = Trajectory(token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)
-        learner = ray.get(trainer.learner.logprobs.remote([traj]))[0]
+        out = {
+            "cfg": cfg, "run_dir": run_dir, "before": before, "version": trainer.version,
+            "engine_version": ray.get(engine.version.remote()),
+            "after": ray.get(engine.score.remote(fixed)),
+            "learner": ray.get(trainer.learner.logprobs.remote([Trajectory(
+                token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)]))[0],
+        }
     finally:
         trainer.shutdown()
         ray.shutdown()
+    return out
 
+
+def test_train_three_steps_with_refit(e2e_run):
+    cfg, before, after, learner = e2e_run["cfg"], e2e_run["before"], e2e_run["after"], e2e_run["learner"]
+    assert e2e_run["version"] == 3 and e2e_run["engine_version"] == 3
     changed = sum(abs(a - b) for a, b in zip(before[1:], after[1:])) / 39
     agree = sum(abs(a - b) for a, b in zip(learner[1:], after[1:])) / 39
     assert changed > 1e-3, "the refit did not change the engine's logprobs"
     assert agree < 1e-3, f"engine and learner logprobs differ after refit (mean abs {agree:.2e})"
 
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_rows(e2e_run["run_dir"])
     steps = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     for r in steps:
@@ -79,4 +99,106 @@ def test_train_three_steps_with_refit(tiny_model_dir, tmp_path):
         assert 0 <= r["replay/token_version_min"] <= r["replay/token_version_max"] <= r["step"] - 1
         assert r["replay/staleness_max"] == r["step"] - 1 - r["replay/token_version_min"]
     assert steps[-1]["replay/token_version_max"] >= 1, "no token was sampled with refit weights"
-    assert (tmp_path / "run" / "checkpoints" / "latest").is_file()
+    assert any("eval_before/success" in r for r in rows) and any("eval_after/success" in r for r in rows)
+    assert (Path(e2e_run["run_dir"]) / "checkpoints" / "latest").is_file()
+
+
+def test_plot_renders_real_run(e2e_run):
+    from PIL import Image
+
+    from agentrl.plot import plot_run
+
+    paths = plot_run(e2e_run["run_dir"])
+    assert {p.name for p in paths} == {"learning.png", "timing.png"}
+    for p in paths:
+        img = Image.open(p).convert("L")
+        assert img.size[0] > 600 and img.size[1] > 300
+        colors = img.getcolors(maxcolors=1 << 16)
+        assert colors is not None and len(colors) > 20, f"{p.name} looks blank"
+
+
+def _agentrl(*args, cwd=REPO):
+    env = dict(os.environ, PYTHONPATH=REPO)
+    return subprocess.Popen([sys.executable, "-m", "agentrl.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
+    """`agentrl train` is interrupted after its step-2 checkpoint; `--resume` continues."""
+    import torch
+
+    run_dir = tmp_path / "run"
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text("")
+    overrides = e2e_overrides(tiny_model_dir, run_dir, "train.num_steps=4", "train.checkpoint_interval=2")
+    proc = _agentrl("train", str(cfg_path), *overrides, "--no-progress")
+    latest = run_dir / "checkpoints" / "latest"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if latest.is_file() and latest.read_text().strip() == "step_000002":
+            break
+        time.sleep(0.5)
+    assert proc.poll() is None, proc.stdout.read()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
+    assert rows and rows[-1]["step"] < 4, "the run finished before it could be interrupted"
+    ckpt = run_dir / "checkpoints" / "step_000002"
+    adam_steps = {int(s["step"]) for s in torch.load(ckpt / "learner" / "learner_state.pt", weights_only=False)["optimizer"]["state"].values()}
+    assert adam_steps == {2}
+
+    proc = _agentrl("train", str(cfg_path), *overrides, "--no-progress", "--resume")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    steps = [r["step"] for r in read_rows(run_dir) if "train/loss" in r]
+    assert steps[-2:] == [3, 4], steps  # continued from step 2, not restarted at 1
+    final = run_dir / "checkpoints" / "step_000004"
+    state = torch.load(final / "learner" / "learner_state.pt", weights_only=False)
+    assert state["version"] == 4
+    assert {int(s["step"]) for s in state["optimizer"]["state"].values()} == {4}
+    resumed = [r for r in read_rows(run_dir) if r.get("step") == 3 and "replay/consumed" in r][-1]
+    # the replay queue's counters continued: 2 groups per step, 3 steps consumed in all
+    assert resumed["replay/consumed"] == 6
+
+
+def test_engine_killed_mid_run_training_continues(tiny_model_dir, tmp_path):
+    """Kill the engine actor after step 2: Ray restarts it, it loads the current weights before
+    taking work, episodes it was serving are dropped and counted, and training finishes."""
+    import ray
+
+    from agentrl.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "train.num_steps=5"))
+    start_ray()
+    trainer = Trainer(cfg, progress=False)
+    killed = {}
+
+    def killer():
+        while not (run_dir / "metrics.jsonl").is_file() or not any(
+                r.get("step", 0) >= 2 for r in read_rows(run_dir)):
+            time.sleep(0.2)
+        killed["pid"] = ray.get(trainer.engines[0].pid.remote())
+        ray.kill(trainer.engines[0], no_restart=False)
+
+    try:
+        trainer.start()
+        thread = threading.Thread(target=killer, daemon=True)
+        thread.start()
+        trainer.run()
+        thread.join(timeout=5)
+        engine = trainer.engines[0]
+        assert ray.get(engine.pid.remote()) != killed["pid"], "the engine was not restarted"
+        assert ray.get(engine.version.remote()) == trainer.version == 5
+        counts = ray.get(trainer.replay.metrics.remote())
+        queued = counts["replay/size"]
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    # counts add up: every admitted group was consumed, dropped as stale, released, queued or in flight
+    admitted = counts["replay/admitted"]
+    assert admitted == (counts["replay/consumed"] + counts["replay/dropped_stale"] + counts["replay/released"]
+                        + queued + counts["replay/in_flight"])
+    assert counts["replay/consumed"] == 5 * cfg.replay.groups_per_step

@@ -97,6 +97,7 @@ class VLLMEngine:
         top_p: float = 1.0,
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
+        ignore_eos: bool = False,
     ) -> GenerationResult:
         """Sample a continuation of ``prompt_ids``; each token is tagged with the version in force
         when it came out of the engine (with in-flight refit, one turn can span versions)."""
@@ -110,6 +111,7 @@ class VLLMEngine:
             logprobs=0,
             stop_token_ids=stop_token_ids,
             seed=seed,
+            ignore_eos=ignore_eos,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )
