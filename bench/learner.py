@@ -75,7 +75,7 @@ def bench_torch(rows: list[dict], iters: int) -> int:
         docs = _docs(n, 1)
         ids = torch.tensor(docs, device="cuda")
 
-        def sdpa_step() -> None:
+        def sdpa_step(model=model, ids=ids) -> None:
             hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [n, DOC, H]
             lp = chunked_logprobs(hidden[:, :-1].reshape(-1, hidden.shape[-1]), model.lm_head.weight,
                                   ids[:, 1:].reshape(-1), temperature=1.0, chunk_size=1024)
@@ -85,7 +85,7 @@ def bench_torch(rows: list[dict], iters: int) -> int:
         model.zero_grad(set_to_none=True)
         packed = pack_sequences(docs)
 
-        def packed_step() -> None:
+        def packed_step(model=model, packed=packed) -> None:
             packed_token_logprobs(model, packed, chunk_size=1024).sum().backward()
 
         rows.append({"backend": "torch/packed-flex", "case": case, "tokens": n * DOC, "s": _time(packed_step, iters)})
@@ -139,7 +139,7 @@ def bench_megatron(rows: list[dict], iters: int, attentions: list[str], profile_
         for case, n in CASES.items():
             packed = pack_sequences(_docs(n, 1))
 
-            def step() -> None:
+            def step(packed=packed) -> None:
                 mb = learner._microbatch(packed)
                 out = learner.ddp(mb.input_ids, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.params)
                 learner._token_logprobs(mb, out).sum().backward()

@@ -166,14 +166,14 @@ def main() -> None:
         from agentrl.learners.megatron.learner import MegatronLearner
 
         model_dir = Path(args.workdir) / "model"
-        if int(os.environ.get("RANK", 0)) == 0:
+        if int(os.environ.get("RANK", "0")) == 0:
             make_model_dir(model_dir)
-        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))))
+        torch.distributed.init_process_group("nccl", device_id=torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))))
         torch.distributed.barrier()
         learner = MegatronLearner(config(model_dir, tp=args.tp, attention=args.attention))
         trajs = [t for g in make_trajectories() for t in g.trajectories]
         res = {"layout": learner.layout.describe(), "logprobs": learner.logprobs(trajs)}
-    if int(os.environ.get("RANK", 0)) == 0:
+    if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(res))
         print(json.dumps({k: v for k, v in res.items() if k not in ("logprobs", "megatron_metrics")}, indent=1))
 

@@ -23,7 +23,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 def _run(nproc: int, *args: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            str(ROOT / "bench" / "megatron_check.py"), *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 
 

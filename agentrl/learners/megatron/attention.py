@@ -13,6 +13,7 @@ causal SDPA call per document) and, when ``context_parallel_size > 1``, the proj
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,7 +150,7 @@ class PackedCoreAttention(MegatronModule):
         if bounds is None:
             bounds = p.cache["bounds"] = p.cu_seqlens_q.tolist()
         outs = []
-        for s, e in zip(bounds[:-1], bounds[1:]):
+        for s, e in itertools.pairwise(bounds):
             qd, kd, vd = (x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=self.softmax_scale,
                                                enable_gqa=q.shape[1] != k.shape[1])
