@@ -16,10 +16,18 @@ import torch
 WORLD = 2
 
 
+def _tiny_hf():  # the tiny HF models of test_megatron_convert, however pytest imported tests/
+    try:
+        from tests.test_megatron_convert import tiny_hf
+    except ImportError:
+        from test_megatron_convert import tiny_hf
+    return tiny_hf
+
+
 def _case(family: str, tp: int) -> dict[str, Any]:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    from test_megatron_convert import tiny_hf
+    tiny_hf = _tiny_hf()
 
     from agentrl.config import MegatronConfig
     from agentrl.learners.megatron.convert import ModelShape
@@ -124,9 +132,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.mark.parametrize("family,tp", [("qwen2", 2), ("llama", 2), ("qwen3", 2)])
 def test_megatron_model_shards_load_and_gather_bit_exact(results: list[dict], family: str, tp: int) -> None:
-    from test_megatron_convert import tiny_hf
-
     from agentrl.learners.megatron.convert import ModelShape
+
+    tiny_hf = _tiny_hf()
 
     shape = ModelShape.from_hf_config(tiny_hf(family, tied=family != "llama")[0])
     for rank_results in results:
