@@ -71,6 +71,9 @@ class EngineActor:
     def num_inflight(self) -> int:
         return self.engine.num_inflight
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def pid(self) -> int:
         import os
 

@@ -131,6 +131,9 @@ class RolloutActor:
                 tg.start_soon(limited, k)
         return {k.replace("rollout/", "eval/"): v for k, v in summarize(results).items()}
 
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
     def stats(self) -> dict[str, float]:
         return {
             f"rollout/actor{self.index}_groups": float(self.num_groups),

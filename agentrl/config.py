@@ -86,6 +86,8 @@ class RolloutConfig(Section):
     """Trajectory length cap (prompt + all turns); longer episodes are truncated."""
     seed_offset: int = 0
     """Training tasks use env seeds `seed_offset + k`; eval seeds live elsewhere."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
 
 
 class EngineConfig(Section):
@@ -105,6 +107,8 @@ class EngineConfig(Section):
     """Ray CPUs reserved per engine actor."""
     num_gpus: float = Field(0.0, ge=0)
     """GPUs per engine actor (0 on CPU)."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
 
 
 class ReplayConfig(Section):
@@ -222,6 +226,8 @@ class LearnerConfig(Section):
     """Learner actors (one per GPU); 0 runs one learner on CPU."""
     num_cpus: float = Field(1.0, gt=0)
     """Ray CPUs (and torch threads) of the learner actor."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
 
 

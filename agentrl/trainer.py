@@ -64,7 +64,7 @@ class Trainer:
     # -- actors -----------------------------------------------------------------------------------
     def start(self) -> None:
         from agentrl.actors.engine import EngineActor
-        from agentrl.actors.learner import LearnerActor
+        from agentrl.actors.learner import LearnerGroup
         from agentrl.actors.replay import ReplayActor
         from agentrl.actors.rollout import RolloutActor
 
@@ -82,18 +82,18 @@ class Trainer:
         )
         self.engines = [
             EngineActor.options(
-                num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus, max_restarts=-1, max_task_retries=0
+                num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus, resources=cfg.engine.resources,
+                max_restarts=-1, max_task_retries=0,
             ).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=self.replay)
             for i in range(cfg.engine.num_engines)
         ]
-        self.learner = LearnerActor.options(num_cpus=cfg.learner.num_cpus, num_gpus=min(cfg.learner.num_gpus, 1)).remote(
-            cfg, self.model_path
-        )
+        self.learner = LearnerGroup(cfg, self.model_path)
         ray.get([e.start.remote() for e in self.engines])
         if self.resume:
             self._restore()
         self.rollouts = [
-            RolloutActor.options(num_cpus=0).remote(cfg, self.engines, self.replay, i, self.model_path)
+            RolloutActor.options(num_cpus=0, resources=cfg.rollout.resources).remote(
+                cfg, self.engines, self.replay, i, self.model_path)
             for i in range(cfg.rollout.num_actors)
         ]
         self.actors_started = True
@@ -212,7 +212,7 @@ class Trainer:
 
     def shutdown(self) -> None:
         if self.actors_started:
-            for actor in [*getattr(self, "rollouts", []), *self.engines, self.learner, self.replay]:
+            for actor in [*getattr(self, "rollouts", []), *self.engines, *self.learner.actors, self.replay]:
                 try:
                     ray.kill(actor)
                 except Exception:

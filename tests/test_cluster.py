@@ -1,0 +1,61 @@
+"""Beyond one machine: a simulated 3-node Ray cluster. Engines, rollouts and the learner land on
+different nodes (custom resources); removing the node that holds the engine mid-run does not stop
+training: Ray restarts the engine on the spare node, which loads the current weights first."""
+
+import threading
+import time
+
+import pytest
+
+from agentrl.config import load_config
+
+from .test_pipeline_e2e import REPO, e2e_overrides, read_rows
+
+pytestmark = pytest.mark.slow
+
+
+def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from agentrl.trainer import Trainer
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    engine_node = cluster.add_node(num_cpus=1, resources={"engine_slot": 1})
+    cluster.add_node(num_cpus=1, resources={"learner_slot": 1, "rollout_slot": 2})
+    cluster.add_node(num_cpus=1, resources={"engine_slot": 1})  # spare, for the restart
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, e2e_overrides(
+        tiny_model_dir, run_dir, "train.num_steps=4", f"cluster.address={cluster.address}",
+        "engine.resources={engine_slot: 1}", "learner.resources={learner_slot: 1}",
+        "rollout.resources={rollout_slot: 1}"))
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO}}, log_to_driver=False)
+    trainer = Trainer(cfg, progress=False)
+    removed = {}
+
+    def remove_engine_node():
+        while not (run_dir / "metrics.jsonl").is_file() or not any(r.get("step", 0) >= 1 for r in read_rows(run_dir)):
+            time.sleep(0.2)
+        removed["node"] = ray.get(trainer.engines[0].node_id.remote())
+        cluster.remove_node(engine_node)
+
+    try:
+        trainer.start()
+        nodes = {
+            "engine": ray.get(trainer.engines[0].node_id.remote()),
+            "learner": ray.get(trainer.learner.node_id.remote()),
+            "rollout": ray.get(trainer.rollouts[0].node_id.remote()),
+        }
+        assert len(set(nodes.values())) == 3, nodes
+        thread = threading.Thread(target=remove_engine_node, daemon=True)
+        thread.start()
+        trainer.run()
+        thread.join(timeout=5)
+        new_node = ray.get(trainer.engines[0].node_id.remote())
+        assert removed["node"] == nodes["engine"] and new_node != nodes["engine"]
+        assert ray.get(trainer.engines[0].version.remote()) == trainer.version == 4
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+        cluster.shutdown()
+    assert [r["step"] for r in read_rows(run_dir) if "train/loss" in r] == [1, 2, 3, 4]
