@@ -107,7 +107,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
             opt.step()
             sched.step()
             step += 1
-            if step % 50 == 0 or step == total:
+            if step % 10 == 0 or step == total:
                 log(f"sft: epoch {epoch + 1}/{sc.num_epochs} step {step}/{total} loss {loss.item():.4f} "
                     f"({time.perf_counter() - t0:.0f}s)")
     tmp = out.with_name(out.name + ".tmp")
