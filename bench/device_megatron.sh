@@ -3,6 +3,8 @@
 #   bash bench/device_megatron.sh check   # GPU tests (1 GPU: HF parity, train step, save/load)
 #   bash bench/device_megatron.sh bench   # bench/learner.py (Megatron vs torch backend)
 #   bash bench/device_megatron.sh tp2     # TP=2 vs TP=1 logprobs (2 GPUs)
+#   bash bench/device_megatron.sh cp2     # bench/megatron_cp.py: CP=2 (2 GPUs) vs CP=1 (1 GPU) at 16k tokens,
+#                                         # train_step loss/grad norm, tok/s/GPU, peak memory; CP=1 at 4k alongside
 # Steps can be combined: bash bench/device_megatron.sh check bench
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -19,6 +21,16 @@ for step in "$@"; do
            find /tmp/pytest-of-*/ -name hf.json -exec cp {} "$OUT/hf.json" \; 2>/dev/null ;;
     bench) python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/learner.py --out "$OUT/bench.json" --profile "$OUT/profile.txt" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
     tp2)   python3 -m pytest -q -x -p no:cacheprovider tests/test_megatron_gpu.py -k "tensor_parallel" -rA 2>&1 | tee "$OUT/tp2.log" || rc=1 ;;
+    cp2)   W=/tmp/mcp; ONE="RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1"
+           python3 bench/megatron_cp.py --make-model --workdir $W 2>&1 | tee "$OUT/cp2.log" || rc=1
+           # CP=1 at 4k on GPU 1 while CP=1 at 16k runs on GPU 0 (one process each), then CP=2 on both.
+           env $ONE MASTER_PORT=29612 CUDA_VISIBLE_DEVICES=1 timeout 180 python3 bench/megatron_cp.py --cp 1 \
+               --tokens 4096 --workdir $W --out "$OUT/cp1_4k.json" > "$OUT/cp1_4k.log" 2>&1 &
+           env $ONE MASTER_PORT=29611 CUDA_VISIBLE_DEVICES=0 timeout 180 python3 bench/megatron_cp.py --cp 1 \
+               --workdir $W --out "$OUT/cp1.json" 2>&1 | tee -a "$OUT/cp2.log" || rc=1
+           wait; echo "--- cp1 4k:"; grep -v Warning "$OUT/cp1_4k.log" | tail -n 15
+           timeout 230 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/megatron_cp.py --cp 2 \
+               --ref "$OUT/cp1.json" --workdir $W --out "$OUT/cp2.json" 2>&1 | tee -a "$OUT/cp2.log" || rc=1 ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

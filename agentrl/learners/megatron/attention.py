@@ -126,7 +126,10 @@ class PackedCoreAttention(MegatronModule):
 
             group = self.cp_group if self.cp_group is not None else p.cp_group
             cu = p.cache.get("cu_seqlens_cpu", p.cu_seqlens_q)  # read on the host
-            out = cp_document_attention(query, key, value, cu, group, softmax_scale=self.softmax_scale)
+            # learner.megatron.attention=sdpa also picks SDPA (explicit mask) for the CP path:
+            # no FlexAttention compile, whose fwd+bwd at 16k tokens takes minutes.
+            out = cp_document_attention(query, key, value, cu, group, softmax_scale=self.softmax_scale,
+                                        backend="sdpa" if self.backend == "sdpa" else "auto")
         elif self.backend == "flex" and query.is_cuda:  # FlexAttention has no CPU backward
             out = self._flex(query, key, value, p)
         else:
