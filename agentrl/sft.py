@@ -91,7 +91,9 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     lengths = [len(ids) for ids, _ in demos]
     batches = make_microbatches(lengths, max(sc.batch_tokens, max(lengths)), algorithm=cfg.packing.algorithm)[0]
     total = sc.num_epochs * len(batches)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20) * max(0.05, 1 - i / total))
+    # Warm-up, a long plateau (copying numbers is learned late, in a sudden drop), then decay.
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda i: min(1.0, (i + 1) / 20, max(0.05, (total - i) / (0.3 * total))))
     rng = random.Random(cfg.seed)
     t0, step = time.perf_counter(), 0
     for epoch in range(sc.num_epochs):
