@@ -58,6 +58,23 @@ def _load(args: argparse.Namespace):
     return cfg
 
 
+def _print_summary(summary: dict, run_dir: str) -> None:
+    """Held-out eval before/after and the last step's numbers; everything is in summary.json."""
+    rows = [("success", "success"), ("reward", "reward"), ("tool_use_rate", "episodes calling a tool"),
+            ("turns", "turns per episode")]
+    if any(k.startswith("eval_before/") for k in summary):
+        print(f"\nheld-out evaluation ({'greedy'})       before RL    after RL")
+        for key, label in rows:
+            b, a = summary.get(f"eval_before/{key}"), summary.get(f"eval_after/{key}")
+            if b is not None and a is not None:
+                print(f"  {label:30s}{b:10.3f}{a:12.3f}")
+    last = {k[len("final/"):]: v for k, v in summary.items() if k.startswith("final/")}
+    if last:
+        print(f"trained {int(last.get('train/version', 0))} learner steps in {last.get('timing/elapsed', 0):.0f} s; "
+              f"last batch reward {last.get('rollout/reward', 0):.3f}, max staleness {last.get('replay/staleness_max', 0):.0f}")
+    print(f"run directory: {run_dir} (metrics.jsonl, summary.json, tensorboard/, checkpoints/; `agentrl plot {run_dir}`)")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -66,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             from agentrl.pipeline import train
 
             summary = train(cfg, resume=args.resume, progress=not args.no_progress)
-            print(json.dumps(summary, indent=2))
+            _print_summary(summary, cfg.run_dir)
         elif args.command == "sft":
             cfg = _load(args)
             from agentrl.sft import run_sft
