@@ -106,26 +106,22 @@ class ReplayQueue:
         return learner_version - group.min_version if group.min_version >= 0 else 0
 
     def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup] | None:
-        """The oldest ``num_groups`` groups within the staleness bound, or None if not enough yet.
-
-        Groups over the bound at the head are dropped (counted) and give their slot back.
-        """
-        while self.queue and self.staleness(self.queue[0], learner_version) > self.max_staleness:
-            self.queue.popleft()
-            self.stats.dropped_stale += 1
+        """``num_groups`` groups within the staleness bound, those sampled with the oldest weights
+        first, or None if not enough yet. Groups over the bound are dropped (counted) and give
+        their slot back."""
         fresh = [g for g in self.queue if self.staleness(g, learner_version) <= self.max_staleness]
+        # Drop stale groups now, enough fresh ones or not: they must give their slots back, or
+        # admission could stall with a queue full of groups nobody may consume.
+        self.stats.dropped_stale += len(self.queue) - len(fresh)
+        self.queue = deque(fresh)
         if len(fresh) < num_groups:
             return None
-        batch: list[TrajectoryGroup] = []
-        keep: deque[TrajectoryGroup] = deque()
-        for g in self.queue:
-            if len(batch) < num_groups and self.staleness(g, learner_version) <= self.max_staleness:
-                batch.append(g)
-            elif self.staleness(g, learner_version) > self.max_staleness:
-                self.stats.dropped_stale += 1
-            else:
-                keep.append(g)
-        self.queue = keep
+        # Oldest weights first, not arrival order: a long episode finishes late but started early;
+        # taking it before newer short ones keeps it from going stale, so long episodes are not
+        # dropped more often than short ones.
+        chosen = {id(g) for g in sorted(fresh, key=lambda g: g.min_version)[:num_groups]}
+        batch = [g for g in fresh if id(g) in chosen]
+        self.queue = deque(g for g in fresh if id(g) not in chosen)
         self.stats.consumed += len(batch)
         for g in batch:
             for t in g.trajectories:
