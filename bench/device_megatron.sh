@@ -5,6 +5,8 @@
 #   bash bench/device_megatron.sh tp2     # TP=2 vs TP=1 logprobs (2 GPUs)
 #   bash bench/device_megatron.sh cp2     # bench/megatron_cp.py: CP=2 (2 GPUs) vs CP=1 (1 GPU) at 16k tokens,
 #                                         # train_step loss/grad norm, tok/s/GPU, peak memory; CP=1 at 4k alongside
+#   bash bench/device_megatron.sh matrix4 # bench/megatron_cp.py on 4 GPUs at 16k tokens: TP1·CP1 (1 GPU), then TP2·CP2,
+#                                         # then PP2·CP2 (last: likeliest to fail); one JSON each as it finishes
 # Steps can be combined: bash bench/device_megatron.sh check bench
 set -o pipefail
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
@@ -31,6 +33,14 @@ for step in "$@"; do
            wait; echo "--- cp1 4k:"; grep -v Warning "$OUT/cp1_4k.log" | tail -n 15
            timeout 230 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/megatron_cp.py --cp 2 \
                --ref "$OUT/cp1.json" --workdir $W --out "$OUT/cp2.json" 2>&1 | tee -a "$OUT/cp2.log" || rc=1 ;;
+    matrix4) W=/tmp/mcp; L="$OUT/matrix4.log"; M="bench/megatron_cp.py --workdir $W --steps 2 --attention sdpa"
+           python3 bench/megatron_cp.py --make-model --workdir $W 2>&1 | tee "$L" || rc=1
+           env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29611 CUDA_VISIBLE_DEVICES=0 \
+               timeout 90 python3 $M --cp 1 --out "$OUT/tp1cp1.json" 2>&1 | grep -v Warning | tee -a "$L" || rc=1
+           for lay in "2 1" "1 2"; do set -- $lay; echo "=== $(date +%T) TP$1 PP$2 CP2" | tee -a "$L"
+             timeout 110 python3 -m torch.distributed.run --standalone --nproc-per-node 4 $M --tp $1 --pp $2 --cp 2 \
+               --ref "$OUT/tp1cp1.json" --ref-tag cp1 --out "$OUT/tp$1pp$2cp2.json" 2>&1 | grep -v Warning | tee -a "$L" || rc=1
+           done ;;
     *) echo "unknown step $step"; rc=2 ;;
   esac
 done

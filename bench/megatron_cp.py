@@ -1,7 +1,8 @@
 """The Megatron learner with context parallelism on GPUs: CP=2 vs CP=1 on one packed batch.
 
 One process per GPU (``torchrun``, or plain ``python3`` with RANK/WORLD_SIZE/... for one GPU).
-The model is a random Qwen2-shape checkpoint (``SHAPE``, bf16) written once to ``--workdir`` by
+``--tp``/``--pp`` add tensor/pipeline parallel degrees (DP = world / (tp*pp*cp); bench/device_megatron.sh
+matrix4 runs TP1·CP1, TP2·CP2 and PP2·CP2 on 4 GPUs). The model is a random Qwen2-shape checkpoint (``SHAPE``, bf16) written once to ``--workdir`` by
 ``--make-model``, so every run loads the same initial weights. The batch is one group of 3
 trajectories (lengths ``[1/2, 3/8, 1/8] * --tokens``, a 20 % prompt then sampled tokens, rewards
 1/0/0.5) packed into one micro-batch (``packing.pad_multiple=4``). Phases, each followed by a
@@ -72,13 +73,14 @@ def make_groups(tokens: int, seed: int = 0) -> list:
     return [TrajectoryGroup(task_id="t0", trajectories=trajs, group_id=0)]
 
 
-def make_config(model_dir: Path, cp: int, world: int, tokens: int, attention: str):
+def make_config(model_dir: Path, cp: int, world: int, tokens: int, attention: str, tp: int = 1, pp: int = 1):
     from agentrl.config import load_config
 
     longest = max(lengths_for(tokens))
     return load_config(None, [
         f"model.path={model_dir}", "model.dtype=bfloat16", "learner.backend=megatron", f"learner.num_gpus={world}",
         f"learner.megatron.context_parallel_size={cp}", f"learner.megatron.attention={attention}",
+        f"learner.megatron.tensor_parallel_size={tp}", f"learner.megatron.pipeline_parallel_size={pp}",
         "packing.pad_multiple=4", f"packing.max_tokens_per_microbatch={max(tokens, 16384)}",
         f"rollout.max_total_tokens={longest}", "engine.max_model_len=32768",
         "rollout.temperature=1.0", "learner.lr=1e-5",
@@ -102,13 +104,13 @@ def make_model_dir(path: Path) -> Path:
     return path
 
 
-def dry_checks(cfg, groups: list, cp: int) -> dict:
+def dry_checks(cfg, groups: list, cp: int, model_parallel: int = 1) -> dict:
     """What the learner does to the batch before the model: samples, plan, packing, shards."""
     from agentrl.learners.common import build_samples, pack_samples, plan_microbatches
     from agentrl.learners.megatron.cp_attention import zigzag_indices
 
     samples = build_samples(groups, cfg.advantage)
-    dp = max(cfg.learner.num_gpus, 1) // cp
+    dp = max(cfg.learner.num_gpus, 1) // (cp * model_parallel)
     plan = plan_microbatches(samples, cfg.packing, num_ranks=dp)
     packed = [pack_samples(samples, ix, pad_multiple=cfg.packing.pad_multiple) for ix in plan[0]]
     res = {"num_samples": len(samples), "plan": plan,
@@ -125,11 +127,13 @@ def dry_checks(cfg, groups: list, cp: int) -> dict:
 class FakeLearner:
     """CPU stand-in with the learner's surface the phases use (script checks only)."""
 
-    def __init__(self, cfg, cp: int) -> None:
+    def __init__(self, cfg, cp: int, tp: int = 1, pp: int = 1) -> None:
         from agentrl.learners.megatron.parallel import ParallelLayout
 
         world, rank = dist.get_world_size(), dist.get_rank()
-        self.layout = ParallelLayout(world, rank, 1, 1, cp, world // cp, 0, 0, rank % cp, rank // cp)
+        dp = world // (tp * pp * cp)  # Megatron's rank order: tp fastest, then cp, dp, pp
+        self.layout = ParallelLayout(world, rank, tp, pp, cp, dp, rank % tp, rank // (tp * cp * dp),
+                                     rank // tp % cp, rank // (tp * cp) % dp)
 
     def logprobs(self, trajs: list) -> list[list[float]]:
         return [[0.0] + [-10.0] * (len(t.token_ids) - 1) for t in trajs]
@@ -143,6 +147,13 @@ def all_max(x: float) -> float:
     t = torch.tensor([float(x)], device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def all_ranks(x: float) -> list[float]:
+    t = torch.tensor([float(x)], device="cuda" if torch.cuda.is_available() else "cpu")
+    out = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, t)
+    return [round(float(o), 3) for o in out]
 
 
 def mem_gib(kind: str = "max") -> float:
@@ -161,6 +172,9 @@ def sync() -> None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cp", type=int, default=1)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--ref-tag", default=None, help="compare logprobs with lp_{ref_tag}_{tokens}.pt (default cp{ref_cp})")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--workdir", default="/tmp/mcp")
     ap.add_argument("--out", default=None)
@@ -189,7 +203,9 @@ def main() -> None:
 
         init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
-    res: dict = {"cp": args.cp, "world": world, "tokens": args.tokens, "attention": args.attention,
+    tag = f"cp{args.cp}" if args.tp == args.pp == 1 else f"tp{args.tp}pp{args.pp}cp{args.cp}"
+    ref_tag = args.ref_tag or f"cp{args.ref_cp}"
+    res: dict = {"cp": args.cp, "tp": args.tp, "pp": args.pp, "tag": tag, "world": world, "tokens": args.tokens, "attention": args.attention,
                  "shape": SHAPE, "lengths": lengths_for(args.tokens), "phases": {}, "errors": []}
     if torch.cuda.is_available():
         res["device"] = torch.cuda.get_device_name()
@@ -201,9 +217,9 @@ def main() -> None:
 
     groups = make_groups(args.tokens)
     trajs = [t for g in groups for t in g.trajectories]
-    cfg = make_config(model_dir, args.cp, world, args.tokens, args.attention)
-    res["dry"] = dry_checks(cfg, groups, args.cp)
-    log(f"config ok: cp={args.cp} world={world} lengths={res['lengths']} dry={res['dry']}")
+    cfg = make_config(model_dir, args.cp, world, args.tokens, args.attention, args.tp, args.pp)
+    res["dry"] = dry_checks(cfg, groups, args.cp, args.tp * args.pp)
+    log(f"config ok: {tag} world={world} lengths={res['lengths']} dry={res['dry']}")
     write()
     if args.dry_run:
         dist.barrier()
@@ -213,7 +229,7 @@ def main() -> None:
     # 1. build
     t = time.time()
     if args.fake:
-        learner = FakeLearner(cfg, args.cp)
+        learner = FakeLearner(cfg, args.cp, args.tp, args.pp)
     else:
         from transformers import Qwen2Config
 
@@ -237,12 +253,12 @@ def main() -> None:
         flat = torch.tensor([x for row in lps for x in row])
         ph["mean"] = float(flat.mean())
         if rank == 0:
-            torch.save(flat, work / f"lp_cp{args.cp}_{args.tokens}.pt")
-        ref_path = work / f"lp_cp{args.ref_cp}_{args.tokens}.pt"
-        if args.ref_cp != args.cp and ref_path.exists():
+            torch.save(flat, work / f"lp_{tag}_{args.tokens}.pt")
+        ref_path = work / f"lp_{ref_tag}_{args.tokens}.pt"
+        if ref_tag != tag and ref_path.exists():
             ref = torch.load(ref_path)
             d = (flat - ref).abs()
-            ph[f"vs_cp{args.ref_cp}_max_abs"], ph[f"vs_cp{args.ref_cp}_mean_abs"] = float(d.max()), float(d.mean())
+            ph[f"vs_{ref_tag}_max_abs"], ph[f"vs_{ref_tag}_mean_abs"] = float(d.max()), float(d.mean())
         log(f"logprobs: {ph}")
     except Exception as e:  # keep going: the train step is the main figure
         res["errors"].append(f"logprobs: {e!r}\n{traceback.format_exc()}")
@@ -253,8 +269,14 @@ def main() -> None:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t = time.time()
-    m = learner.train_step(groups)
-    sync()
+    try:
+        m = learner.train_step(groups)
+        sync()
+    except Exception as e:  # record it in the JSON, then fail
+        res["errors"].append(f"step1: {e!r}\n{traceback.format_exc()}")
+        log(f"step1 FAILED: {e!r}\n{traceback.format_exc()}")
+        write()
+        raise
     ph = res["phases"]["step1"] = {"s": time.time() - t, "loss": m["train/loss"], "grad_norm": m["train/grad_norm"],
                                    "peak_mem_gib": all_max(mem_gib()), "metrics": m}
     if args.ref and Path(args.ref).exists():
@@ -280,6 +302,7 @@ def main() -> None:
         res["phases"]["timed"] = {
             "step_s": times, "median_s": med, "tokens_per_s_per_gpu": args.tokens / med / world,
             "tokens_per_s": args.tokens / med, "peak_mem_gib_per_gpu": all_max(mem_gib()),
+            "peak_mem_gib_ranks": all_ranks(mem_gib()),
             "timing_logprobs_s": m.get("timing/logprobs"), "timing_training_s": m.get("timing/training"),
         }
         write()
