@@ -18,7 +18,7 @@ class ReplayActor:
     def __init__(self, capacity: int, max_staleness: int, groups_per_step: int) -> None:
         self.queue = ReplayQueue(capacity, max_staleness, groups_per_step)
         self._cond: asyncio.Condition | None = None
-        self._weights: list[Any] = []  # [ObjectRef] of the weights the engines serve (wrapped: not resolved)
+        self._staged: tuple[int, list[Any]] = (0, [])  # (version, [ObjectRef]) wrapped: not resolved
 
     @property
     def cond(self) -> asyncio.Condition:
@@ -55,17 +55,19 @@ class ReplayActor:
             self.cond.notify_all()
             return batch  # type: ignore[return-value]
 
-    async def set_weights_version(self, version: int, weights: list[Any] | None = None) -> None:
-        """Record the version the engines now serve, and (``[ref]``) where its weights are, so a
-        restarted engine can load them before taking work."""
+    def stage_weights(self, version: int, weights: list[Any]) -> None:
+        """Where the newest weights are (``[ref]``), so an engine that (re)starts during or after a
+        refit loads them before taking work."""
+        self._staged = (version, list(weights))
+
+    async def set_weights_version(self, version: int) -> None:
+        """The engines now serve ``version``: admission control moves on."""
         async with self.cond:
             self.queue.set_weights_version(version)
-            if weights is not None:
-                self._weights = list(weights)
             self.cond.notify_all()
 
     def latest_weights(self) -> tuple[int, list[Any]]:
-        return self.queue.weights_version, self._weights
+        return self._staged
 
     def metrics(self) -> dict[str, float]:
         return self.queue.metrics()

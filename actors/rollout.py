@@ -93,6 +93,10 @@ class RolloutActor:
             finally:
                 for i in range(self.cfg.rollout.group_size):
                     self.router.end_episode(f"g{gid}-e{i}")
+            if not group.trainable():  # every episode failed (e.g. its engine died): nothing to learn
+                self.num_failed_groups += 1
+                await self.replay.release.remote()
+                continue
             await self.replay.put.remote(group)
             self.num_groups += 1
 

@@ -60,6 +60,7 @@ class Trainer:
         self.step = 0
         self.version = 0
         self.actors_started = False
+        self.engines_unavailable_at_refit = 0
 
     # -- actors -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -102,8 +103,14 @@ class Trainer:
         """Push the learner's weights to every engine (through the Ray object store)."""
         t0 = time.perf_counter()
         weights = self.learner.export_weights.remote()  # an ObjectRef: stored once, read by each engine
-        ray.get([e.update_weights.remote(weights, self.version, self.cfg.refit.mode) for e in self.engines])
-        ray.get(self.replay.set_weights_version.remote(self.version, [weights]))
+        ray.get(self.replay.stage_weights.remote(self.version, [weights]))
+        for ref in [e.update_weights.remote(weights, self.version, self.cfg.refit.mode) for e in self.engines]:
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                # The engine died or is restarting; it loads the staged weights before its next request.
+                self.engines_unavailable_at_refit += 1
+        ray.get(self.replay.set_weights_version.remote(self.version))
         return time.perf_counter() - t0
 
     def evaluate(self, label: str) -> dict[str, float]:
@@ -196,6 +203,7 @@ class Trainer:
                     "timing/waiting": t1 - t0,
                     "timing/learner_step": t2 - t1,
                     "timing/refit": refit_s,
+                    "refit/engines_unavailable": float(self.engines_unavailable_at_refit),
                     "timing/step": time.perf_counter() - t0,
                     "rollout/tokens_per_s": sum(t.num_sampled_tokens for t in trajs) / max(time.perf_counter() - t0, 1e-9),
                     "timing/elapsed": time.perf_counter() - t_start,

@@ -80,7 +80,7 @@ def test_restarted_engine_loads_current_weights_before_work(actors, tiny_model_d
     current = perturbed(tiny_model_dir, 3)
     weights_ref = ray.put(current.state_dict())
     ray.get(engine.update_weights.remote(weights_ref, 3, "continue"))
-    ray.get(replay.set_weights_version.remote(3, [weights_ref]))
+    ray.get(replay.stage_weights.remote(3, [weights_ref]))
     old_pid = ray.get(engine.pid.remote())
     ray.kill(engine, no_restart=False)
     ids = list(range(5, 60))
