@@ -1,0 +1,3 @@
+"""Inference engines (vLLM), imported only when an engine starts."""
+
+__all__: list[str] = []
