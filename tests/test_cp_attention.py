@@ -189,6 +189,57 @@ def test_flex_mask_matches_sdpa_mask(data: st.DataObject, cp_size: int, seed: in
         torch.testing.assert_close(*outs, atol=1e-5, rtol=1e-5)
 
 
+def _dense_mask(cu: torch.Tensor, cp_size: int, rank: int) -> torch.Tensor:
+    """[t_local, T] document-causal mask of this rank's zigzag queries, built the plain way."""
+    lengths = (cu[1:] - cu[:-1]).long()
+    doc = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    idx = zigzag_indices(cu, cp_size, rank)
+    return (doc[idx][:, None] == doc[None, :]) & (idx[:, None] >= torch.arange(int(cu[-1]))[None, :])
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    data=st.data(),
+    cp_size=st.integers(1, 3),
+    block=st.sampled_from([2, 4, 8, 16, 128]),
+)
+def test_flex_block_mask_equals_dense_mask(data: st.DataObject, cp_size: int, block: int) -> None:
+    # The FlexAttention mask of the CP path (predicate and block classification, built without
+    # a dense mask) against the boolean mask it replaces, on index grids: no kernel runs.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    cu = data.draw(packings(cp_size, max_docs=6, max_len=61))
+    total = int(cu[-1])
+    for r in range(cp_size):
+        dense = _dense_mask(cu, cp_size, r)
+        idx = zigzag_indices(cu, cp_size, r)
+        start = idx - zigzag_positions(cu, cp_size, r)
+        t = idx.numel()
+        mask_mod = cp_attention.document_causal_mask_mod(start.int(), idx.int())
+        grid = mask_mod(None, None, torch.arange(t)[:, None], torch.arange(total)[None, :])
+        assert torch.equal(grid, dense)
+        # Tiles: non-empty = any allowed pair, full = every pair allowed (tiles cut by the end of
+        # the queries or keys never full).
+        nonempty, full = cp_attention.document_causal_blocks(start, idx, total, block)
+        n_q, n_k = -(-t // block), -(-total // block)
+        padded = torch.zeros(n_q * block, n_k * block, dtype=torch.bool)
+        padded[:t, :total] = dense
+        tiles = padded.view(n_q, block, n_k, block)
+        assert torch.equal(nonempty, tiles.any(3).any(1))
+        assert torch.equal(full, tiles.all(3).all(1))
+        # What the kernel computes: full tiles all allowed, partial tiles through mask_mod.
+        bm = cp_attention.document_causal_block_mask(start, idx, total, block)
+        visit = bm.to_dense()[0, 0].repeat_interleave(block, 0).repeat_interleave(block, 1)
+        effective = visit[:t, :total] & grid
+        assert torch.equal(effective, dense)
+        # Same tiles as torch's own builder evaluating the predicate densely.
+        ref = create_block_mask(mask_mod, None, None, t, total, device="cpu", BLOCK_SIZE=block,
+                                _compile=False)
+        for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+            assert torch.equal(getattr(bm, name), getattr(ref, name)), name
+        assert torch.equal(bm.to_dense(), ref.to_dense())
+
+
 def test_shape_errors_are_clear() -> None:
     q, k, v, _ = _qkv(8, 2, 2, 4, 0)
     with pytest.raises(ValueError, match="must both hold 8 local tokens"):

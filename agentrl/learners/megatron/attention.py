@@ -126,8 +126,8 @@ class PackedCoreAttention(MegatronModule):
 
             group = self.cp_group if self.cp_group is not None else p.cp_group
             cu = p.cache.get("cu_seqlens_cpu", p.cu_seqlens_q)  # read on the host
-            # learner.megatron.attention=sdpa also picks SDPA (explicit mask) for the CP path:
-            # no FlexAttention compile, whose fwd+bwd at 16k tokens takes minutes.
+            # attention=flex: compiled FlexAttention with a block mask made from the document
+            # boundaries (CUDA; SDPA on CPU); attention=sdpa: SDPA with an explicit [t, T] mask.
             out = cp_document_attention(query, key, value, cu, group, softmax_scale=self.softmax_scale,
                                         backend="sdpa" if self.backend == "sdpa" else "auto")
         elif self.backend == "flex" and query.is_cuda:  # FlexAttention has no CPU backward

@@ -9,8 +9,11 @@ Attention all-gathers K and V over the CP group (one collective for both), puts 
 global token order, and lets the local queries attend to every key of their own document at a
 global position not after their own. The backward pass reduce-scatters dK and dV to the ranks
 that own those tokens (the adjoint of the all-gather). On CUDA the attention runs in compiled
-FlexAttention with a block mask, which skips the blocks the document-causal mask empties; on
-CPU (and with ``backend="sdpa"``) it runs in SDPA with an explicit boolean mask.
+FlexAttention (grouped-query heads read the shared K/V heads, no repeat) with a block mask made
+directly from the document boundaries (`document_causal_block_mask`: no dense [t, T] mask, no
+compiled mask builder), which skips the tiles the document-causal mask empties and applies the
+mask only on the tiles it cuts; on CPU (and with ``backend="sdpa"``) it runs in SDPA with an
+explicit boolean mask.
 
 Example:
     >>> import torch
@@ -36,6 +39,9 @@ __all__ = [
     "all_gather_zigzag",
     "cp_document_attention",
     "document_causal_attention",
+    "document_causal_block_mask",
+    "document_causal_blocks",
+    "document_causal_mask_mod",
     "zigzag_indices",
     "zigzag_local_cu_seqlens",
     "zigzag_positions",
@@ -167,6 +173,101 @@ class _Plan:
     mask: Any  # [t_local, T] bool for SDPA, a FlexAttention BlockMask, or None (gather only)
 
 
+def document_causal_mask_mod(q_start: torch.Tensor, q_global: torch.Tensor) -> Any:
+    """FlexAttention ``mask_mod`` of local queries against the packed sequence's keys.
+
+    Query row ``i`` sits at global position ``q_global[i]`` of a document starting at
+    ``q_start[i]``; it may see key ``j`` iff ``q_start[i] <= j <= q_global[i]``. Documents are
+    contiguous, so this is "same document and not after the query" with two lookups, both on the
+    query index (the kernel loads them once per query row).
+
+    Args:
+        q_start: [t] int32 first global position of each query's document.
+        q_global: [t] int32 global position of each query.
+    """
+
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        return (kv_idx >= q_start[q_idx]) & (kv_idx <= q_global[q_idx])
+
+    return mask_mod
+
+
+def document_causal_blocks(
+    q_start: torch.Tensor, q_global: torch.Tensor, total: int, block: int = 128
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which [block x block] tiles of the [t, T] document-causal mask are non-empty and full.
+
+    Exact, in O(t/block * T/block) without evaluating the mask: query rows are in increasing
+    global order (zigzag shards are) and documents are contiguous, so tile (query block b, keys
+    [k0, k1)) has an allowed pair iff the first row of b at or after ``k0`` belongs to a document
+    starting before ``k1``; it is full iff all its rows are in one document starting at or before
+    ``k0`` and its first row is at or after ``k1 - 1`` (so that document covers the whole tile),
+    and the tile is not cut short by the end of the queries or keys.
+
+    Args:
+        q_start: [t] int first global position of each query's document.
+        q_global: [t] int global position of each query, increasing.
+        total: T, the number of keys.
+        block: tile size (FlexAttention's BLOCK_SIZE).
+
+    Returns:
+        ``(nonempty, full)``, two [ceil(t / block), ceil(T / block)] bool tensors.
+    """
+    t, dev = q_global.numel(), q_global.device
+    n_q, n_k = -(-t // block), -(-total // block)
+    if n_q == 0:
+        return (torch.zeros(0, n_k, dtype=torch.bool, device=dev),) * 2
+    big = torch.iinfo(torch.int64).max // 2
+    pad = n_q * block - t
+    g = F.pad(q_global.to(torch.int64), (0, pad), value=big).view(n_q, block)  # padding sorts last
+    s = F.pad(q_start.to(torch.int64), (0, pad), value=big).view(n_q, block)
+    k0 = torch.arange(n_k, device=dev, dtype=torch.int64) * block  # [n_k]
+    k1 = torch.clamp(k0 + block, max=total)
+    first = torch.searchsorted(g, k0.expand(n_q, n_k).contiguous())  # [n_q, n_k] in [0, block]
+    start_at = torch.cat([s, s.new_full((n_q, 1), big)], dim=1).gather(1, first)
+    nonempty = start_at < k1[None, :]
+    last = torch.full((n_q, 1), block - 1, device=dev, dtype=torch.int64)
+    last[-1] = block - 1 - pad  # last real row of each block
+    one_doc = s[:, :1] == s.gather(1, last)  # sorted rows: first and last share the document
+    full = one_doc & (s[:, :1] <= k0[None, :]) & (g[:, :1] >= (k1 - 1)[None, :])
+    # Tiles cut by the end of the queries or keys stay partial, as create_block_mask makes them.
+    if pad:
+        full[-1] = False
+    if total % block:
+        full[:, -1] = False
+    return nonempty, full
+
+
+def document_causal_block_mask(
+    q_start: torch.Tensor, q_global: torch.Tensor, total: int, block: int = 128
+) -> Any:
+    """FlexAttention ``BlockMask`` for local queries (increasing global positions) against T keys.
+
+    Built from :func:`document_causal_blocks` (no dense mask, no compiled mask builder):
+    full tiles skip the ``mask_mod``, partial tiles apply :func:`document_causal_mask_mod`, empty
+    tiles are never visited.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+
+    nonempty, full = document_causal_blocks(q_start, q_global, total, block)
+    partial = nonempty & ~full
+
+    def as_kv(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        num = blocks.sum(-1, dtype=torch.int32)[None, None]  # [1, 1, n_q]
+        order = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True)
+        return num, order.to(torch.int32)[None, None]  # [1, 1, n_q, n_k], used blocks first
+
+    kv_num, kv_idx = as_kv(partial)
+    full_num, full_idx = as_kv(full)
+    return BlockMask.from_kv_blocks(
+        kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block,
+        mask_mod=document_causal_mask_mod(q_start.to(torch.int32), q_global.to(torch.int32)),
+        seq_lengths=(q_global.numel(), total),
+    )
+
+
 @functools.lru_cache(maxsize=16)
 def _plan(
     cu: tuple[int, ...], cp_size: int, cp_rank: int, device: torch.device, backend: str
@@ -174,34 +275,14 @@ def _plan(
     rank_major = torch.cat([_zigzag(cu, cp_size, r)[0] for r in range(cp_size)])
     total = rank_major.numel()
     lengths = _doc_lengths(cu, cp_size, cp_rank)
-    doc_ids = torch.repeat_interleave(torch.arange(lengths.numel(), dtype=torch.int32), lengths).to(
-        device
-    )
-    q_index = _zigzag(cu, cp_size, cp_rank)[0].to(device)
+    q_index_cpu, q_pos = _zigzag(cu, cp_size, cp_rank)
+    q_index = q_index_cpu.to(device)
     if backend == "flex":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        # Lookup tables for the mask, all int32 like the kernel's indices.
-        q_doc, q_global = doc_ids[q_index], q_index.to(torch.int32)
-
-        def mask_mod(
-            b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-        ) -> torch.Tensor:
-            return (q_doc[q_idx] == doc_ids[kv_idx]) & (q_global[q_idx] >= kv_idx)
-
-        # Compiled only on CUDA: Inductor's CPU code for this builder fails to build (torch 2.13).
-        mask = create_block_mask(
-            mask_mod,
-            None,
-            None,
-            q_index.numel(),
-            total,
-            device=device,
-            _compile=device.type == "cuda",
-        )
+        mask = document_causal_block_mask((q_index_cpu - q_pos).to(device), q_index, total)
     elif backend == "none":
         mask = None
     else:
+        doc_ids = torch.repeat_interleave(torch.arange(lengths.numel()), lengths).to(device)
         key = torch.arange(total, device=device)
         mask = (doc_ids[q_index][:, None] == doc_ids[None, :]) & (q_index[:, None] >= key[None, :])
     return _Plan(
