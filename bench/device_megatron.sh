@@ -5,6 +5,10 @@
 #   bash bench/device_megatron.sh tp2     # TP=2 vs TP=1 logprobs (2 GPUs)
 #   bash bench/device_megatron.sh cp2     # bench/megatron_cp.py: CP=2 (2 GPUs) vs CP=1 (1 GPU) at 16k tokens,
 #                                         # train_step loss/grad norm, tok/s/GPU, peak memory; CP=1 at 4k alongside
+#   bash bench/device_megatron.sh cpflex  # bench/megatron_cp.py, Qwen2.5-1.5B shape, attention=flex, 2 GPUs, 32768 tokens
+#                                         # per step in micro-batches of 16384: CP=1 with 4k documents (GPU 1) and CP=1 with
+#                                         # 16k documents (GPU 0) side by side, then CP=1's out-of-memory probe (GPU 0), then
+#                                         # CP=2 with 16k documents and CP=2 at the length CP=1 could not hold
 #   bash bench/device_megatron.sh matrix4 # bench/megatron_cp.py on 4 GPUs at 16k tokens: TP1·CP1 (1 GPU), then TP2·CP2,
 #                                         # then PP2·CP2 (last: likeliest to fail); one JSON each as it finishes
 # Steps can be combined: bash bench/device_megatron.sh check bench
@@ -33,6 +37,19 @@ for step in "$@"; do
            wait; echo "--- cp1 4k:"; grep -v Warning "$OUT/cp1_4k.log" | tail -n 15
            timeout 230 python3 -m torch.distributed.run --standalone --nproc-per-node 2 bench/megatron_cp.py --cp 2 \
                --ref "$OUT/cp1.json" --workdir $W --out "$OUT/cp2.json" 2>&1 | tee -a "$OUT/cp2.log" || rc=1 ;;
+    cpflex) L="$OUT/cpflex.log"; ONE="RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1"
+           M="bench/megatron_cp.py --shape qwen1.5b --random-init --attention flex --tokens 32768 --mb-tokens 16384 --steps 4 --workdir /tmp/mcpf ${CPFLEX_ARGS:-}"
+           echo "=== $(date +%T) CP=1 4k docs (GPU 1) | CP=1 16k docs + OOM probe (GPU 0)" | tee "$L"
+           env $ONE MASTER_PORT=29612 CUDA_VISIBLE_DEVICES=1 timeout ${T1:-200} python3 $M --cp 1 --doc-len 4096 \
+               --out "$OUT/cp1_d4096.json" > "$OUT/cp1_d4096.log" 2>&1 &
+           env $ONE MASTER_PORT=29611 CUDA_VISIBLE_DEVICES=0 timeout ${T2:-250} python3 $M --cp 1 --doc-len 16384 --probe-auto \
+               --out "$OUT/cp1_d16384.json" 2>&1 | grep -v Warning | tee -a "$L" || rc=1
+           wait; echo "--- $(date +%T) CP=1 4k docs:" | tee -a "$L"; grep -v Warning "$OUT/cp1_d4096.log" | tail -n 12 | tee -a "$L"
+           N=$(python3 -c "import json; d=json.load(open('$OUT/cp1_d16384.json')); print(d.get('oom_tokens') or max([e['tokens'] for e in d['phases'].get('probe', [])] or [65536]))" || echo 65536)
+           echo "=== $(date +%T) CP=2 16k docs, then CP=2 at $N tokens" | tee -a "$L"
+           timeout ${T3:-280} python3 -m torch.distributed.run --standalone --nproc-per-node 2 $M --cp 2 --doc-len 16384 \
+               --ref "$OUT/cp1_d16384.json" --ref-tag cp1_d16384 --probe-tokens "$N" --out "$OUT/cp2_d16384.json" 2>&1 \
+               | grep -v Warning | tee -a "$L" || rc=1 ;;
     matrix4) W=/tmp/mcp; L="$OUT/matrix4.log"; M="bench/megatron_cp.py --workdir $W --steps 2 --attention sdpa"
            python3 bench/megatron_cp.py --make-model --workdir $W 2>&1 | tee "$L" || rc=1
            env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29611 CUDA_VISIBLE_DEVICES=0 \

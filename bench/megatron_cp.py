@@ -37,9 +37,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-SHAPE = dict(vocab_size=32000, hidden_size=1536, intermediate_size=4096, num_hidden_layers=12,
-             num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-             tie_word_embeddings=True, rope_theta=1000000.0, rms_norm_eps=1e-6)
+SHAPES = {
+    # 342M parameters: the shape of the first CP and TP x PP x CP figures.
+    "small": {"vocab_size": 32000, "hidden_size": 1536, "intermediate_size": 4096, "num_hidden_layers": 12,
+              "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+              "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+    # Qwen2.5-1.5B (1.54B parameters); max_position_embeddings raised for the long-context probe.
+    "qwen1.5b": {"vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+                 "num_attention_heads": 12, "num_key_value_heads": 2, "max_position_embeddings": 262144,
+                 "tie_word_embeddings": True, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6},
+}
+SHAPE = SHAPES["small"]  # the --shape in use (set in main)
 FRACTIONS = (4, 3, 1)  # trajectory lengths in eighths of --tokens
 T0 = time.time()
 
@@ -56,12 +64,24 @@ def lengths_for(tokens: int) -> list[int]:
     return [n - n % 4 for n in out]  # multiples of 2 * cp (cp <= 2): no per-sequence padding
 
 
-def make_groups(tokens: int, seed: int = 0) -> list:
+def doc_lengths(tokens: int, doc_len: int) -> list[int]:
+    """``--doc-len 0``: the 3-trajectory layout of ``lengths_for``; else ``tokens // doc_len`` equal ones."""
+    if doc_len <= 0:
+        return lengths_for(tokens)
+    if doc_len % 4 or tokens % doc_len:
+        raise SystemExit(f"--doc-len {doc_len} must be a multiple of 4 dividing --tokens {tokens}")
+    return [doc_len] * (tokens // doc_len)
+
+
+def make_groups(tokens: int, seed: int = 0, doc_len: int = 0) -> list:
+    """One group; rewards 1, 0, 0.5 (mixed layout) or alternating 1, 0 (equal documents)."""
     from agentrl.trajectory import Trajectory, TrajectoryGroup
 
     rng = random.Random(seed)
     trajs = []
-    for n, reward in zip(lengths_for(tokens), (1.0, 0.0, 0.5)):
+    lengths = doc_lengths(tokens, doc_len)
+    rewards = (1.0, 0.0, 0.5) if doc_len <= 0 else [float(i % 2 == 0) for i in range(len(lengths))]
+    for n, reward in zip(lengths, rewards):
         p = n // 5
         trajs.append(Trajectory(
             token_ids=[rng.randrange(SHAPE["vocab_size"]) for _ in range(n)],
@@ -73,16 +93,18 @@ def make_groups(tokens: int, seed: int = 0) -> list:
     return [TrajectoryGroup(task_id="t0", trajectories=trajs, group_id=0)]
 
 
-def make_config(model_dir: Path, cp: int, world: int, tokens: int, attention: str, tp: int = 1, pp: int = 1):
+def make_config(model_dir: Path, cp: int, world: int, tokens: int, attention: str, tp: int = 1, pp: int = 1,
+                doc_len: int = 0, mb_tokens: int = 16384):
     from agentrl.config import load_config
 
-    longest = max(lengths_for(tokens))
+    longest = max(doc_lengths(tokens, doc_len))
+    mb = max(mb_tokens, longest) if doc_len > 0 else max(tokens, mb_tokens)
     return load_config(None, [
         f"model.path={model_dir}", "model.dtype=bfloat16", "learner.backend=megatron", f"learner.num_gpus={world}",
         f"learner.megatron.context_parallel_size={cp}", f"learner.megatron.attention={attention}",
         f"learner.megatron.tensor_parallel_size={tp}", f"learner.megatron.pipeline_parallel_size={pp}",
-        "packing.pad_multiple=4", f"packing.max_tokens_per_microbatch={max(tokens, 16384)}",
-        f"rollout.max_total_tokens={longest}", "engine.max_model_len=32768",
+        "packing.pad_multiple=4", f"packing.max_tokens_per_microbatch={mb}",
+        f"rollout.max_total_tokens={longest}", f"engine.max_model_len={max(32768, longest)}",
         "rollout.temperature=1.0", "learner.lr=1e-5",
     ])
 
@@ -130,6 +152,7 @@ class FakeLearner:
     def __init__(self, cfg, cp: int, tp: int = 1, pp: int = 1) -> None:
         from agentrl.learners.megatron.parallel import ParallelLayout
 
+        self.cfg = cfg
         world, rank = dist.get_world_size(), dist.get_rank()
         dp = world // (tp * pp * cp)  # Megatron's rank order: tp fastest, then cp, dp, pp
         self.layout = ParallelLayout(world, rank, tp, pp, cp, dp, rank % tp, rank // (tp * cp * dp),
@@ -140,6 +163,8 @@ class FakeLearner:
 
     def train_step(self, groups: list) -> dict:
         time.sleep(0.01)
+        if max(len(t.token_ids) for g in groups for t in g.trajectories) > 40000 * self.layout.cp:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (fake: over 40000 tokens per GPU)")
         return {"train/loss": 0.123, "train/grad_norm": 1.5, "timing/training": 0.01, "timing/logprobs": 0.0}
 
 
@@ -169,6 +194,79 @@ def sync() -> None:
     dist.barrier()
 
 
+PROBE_CANDIDATES = (32768, 49152, 65536, 81920, 98304, 131072, 163840, 196608, 262144)
+
+
+def pick_probe_lengths(static_gib: float, peak_gib: float, tokens_per_gpu: int, cp: int, capacity_gib: float) -> dict:
+    """Linear memory model from the timed steps -> probe lengths (shortest predicted not to fit first).
+
+    peak(L) = static + act * L / cp, act = (timed peak - static) / tokens per GPU of one micro-batch:
+    activations grow linearly in tokens (FlexAttention keeps no score matrix, logprobs are chunked).
+    A length qualifies when its predicted peak exceeds the GPU by 10 %; among those, prefer the ones
+    whose CP=2 prediction (same static memory: an upper bound) stays under 80 % of the GPU.
+    """
+    act = (peak_gib - static_gib) / max(tokens_per_gpu, 1)
+
+    def predict(n: int, c: int) -> float:
+        return static_gib + act * n / c
+
+    over = [n for n in PROBE_CANDIDATES if predict(n, cp) > 1.1 * capacity_gib]
+    good = [n for n in over if predict(n, 2 * cp) < 0.8 * capacity_gib] or over
+    return {"act_gib_per_1k_tokens": act * 1024, "static_gib": static_gib, "capacity_gib": capacity_gib,
+            "predicted_peak_gib": {n: round(predict(n, cp), 1) for n in PROBE_CANDIDATES},
+            "predicted_peak_gib_cp2": {n: round(predict(n, 2 * cp), 1) for n in PROBE_CANDIDATES},
+            "lengths": good[:2] or list(PROBE_CANDIDATES[-1:])}
+
+
+def probe(learner, args, res: dict, write) -> None:
+    """One train_step per probe length on 2 trajectories of that length; records out-of-memory errors."""
+    rank = dist.get_rank()
+    sync()
+    static = all_max(mem_gib("now"))  # weights, fp32 grads, optimizer state; activations freed
+    if args.probe_auto:
+        timed = res["phases"].get("timed", {})
+        capacity = torch.cuda.mem_get_info()[1] / 2**30 if torch.cuda.is_available() else 100.0
+        mb_tokens = min(args.mb_tokens, args.tokens)
+        pick = pick_probe_lengths(static, timed.get("peak_mem_gib_per_gpu", static), mb_tokens // args.cp,
+                                  args.cp, capacity)
+        lengths = pick["lengths"]
+        res["probe_model"] = pick
+        log(f"probe model: {pick}")
+    else:
+        lengths = [int(x) for x in args.probe_tokens.split(",") if x]
+    res["phases"]["probe"] = out = []
+    for n in lengths:
+        groups = make_groups(2 * n, seed=1, doc_len=n)
+        learner.cfg.packing.max_tokens_per_microbatch = n  # one trajectory per micro-batch
+        entry: dict = {"tokens": n, "micro_batches": 2, "static_gib": static}
+        out.append(entry)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        log(f"probe {n} tokens: train_step on 2 x {n} (CP={args.cp}, {n // args.cp} tokens per GPU) ...")
+        t = time.time()
+        try:
+            m = learner.train_step(groups)
+            sync()
+        except torch.cuda.OutOfMemoryError as e:
+            entry.update(ok=False, oom=True, s=time.time() - t, error=str(e)[:600],
+                         peak_mem_gib=mem_gib(), reserved_gib=torch.cuda.memory_reserved() / 2**30)
+            log(f"probe {n}: OUT OF MEMORY after {entry['s']:.1f}s (peak allocated {entry['peak_mem_gib']:.1f} GiB on "
+                f"rank {rank}): {str(e)[:300]}")
+            res.setdefault("oom_tokens", n)
+            torch.cuda.empty_cache()
+            write()
+            break
+        loss, gn = float(m["train/loss"]), float(m["train/grad_norm"])
+        entry.update(ok=True, oom=False, s=time.time() - t, loss=loss, grad_norm=gn,
+                     finite=bool(torch.isfinite(torch.tensor([loss, gn])).all()),
+                     peak_mem_gib=all_max(mem_gib()), peak_mem_gib_ranks=all_ranks(mem_gib()),
+                     tokens_per_s_per_gpu=2 * n / (time.time() - t) / dist.get_world_size(), metrics=m)
+        log(f"probe {n}: ok in {entry['s']:.1f}s (incl. compiles) loss {loss:.6g} grad_norm {gn:.6g} "
+            f"peak {entry['peak_mem_gib']:.1f} GiB/GPU")
+        write()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--cp", type=int, default=1)
@@ -182,11 +280,23 @@ def main() -> None:
     ap.add_argument("--ref-cp", type=int, default=1, help="compare logprobs with lp_cp{ref_cp}_{tokens}.pt")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--attention", default="sdpa", choices=["sdpa", "flex"])
+    ap.add_argument("--shape", default="small", choices=sorted(SHAPES), help="model shape (random weights)")
+    ap.add_argument("--doc-len", type=int, default=0,
+                    help="trajectories of this many tokens (--tokens / doc-len of them); 0: 1/2+3/8+1/8 of --tokens")
+    ap.add_argument("--mb-tokens", type=int, default=16384, help="packing.max_tokens_per_microbatch")
+    ap.add_argument("--probe-tokens", default="",
+                    help="after the timed steps, one train_step on 2 trajectories of each of these lengths "
+                         "(comma-separated, one per micro-batch), recording an out-of-memory error")
+    ap.add_argument("--probe-auto", action="store_true",
+                    help="pick the probe length from the timed steps' memory: the shortest predicted not to "
+                         "fit this GPU (stops at the first out-of-memory error)")
     ap.add_argument("--random-init", action="store_true", help="random weights from the config (no checkpoint)")
     ap.add_argument("--make-model", action="store_true", help="only write the checkpoint to --workdir/model")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--fake", action="store_true")
     args = ap.parse_args()
+    global SHAPE
+    SHAPE = SHAPES[args.shape]
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     model_dir = work / "model"
@@ -205,8 +315,11 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     tag = f"cp{args.cp}" if args.tp == args.pp == 1 else f"tp{args.tp}pp{args.pp}cp{args.cp}"
     ref_tag = args.ref_tag or f"cp{args.ref_cp}"
+    if args.doc_len:
+        tag += f"_d{args.doc_len}"
     res: dict = {"cp": args.cp, "tp": args.tp, "pp": args.pp, "tag": tag, "world": world, "tokens": args.tokens, "attention": args.attention,
-                 "shape": SHAPE, "lengths": lengths_for(args.tokens), "phases": {}, "errors": []}
+                 "shape_name": args.shape, "shape": SHAPE, "lengths": doc_lengths(args.tokens, args.doc_len),
+                 "mb_tokens": args.mb_tokens, "phases": {}, "errors": []}
     if torch.cuda.is_available():
         res["device"] = torch.cuda.get_device_name()
 
@@ -215,9 +328,10 @@ def main() -> None:
         if rank == 0 and args.out:
             Path(args.out).write_text(json.dumps(res, indent=1))
 
-    groups = make_groups(args.tokens)
+    groups = make_groups(args.tokens, doc_len=args.doc_len)
     trajs = [t for g in groups for t in g.trajectories]
-    cfg = make_config(model_dir, args.cp, world, args.tokens, args.attention, args.tp, args.pp)
+    cfg = make_config(model_dir, args.cp, world, args.tokens, args.attention, args.tp, args.pp,
+                      doc_len=args.doc_len, mb_tokens=args.mb_tokens)
     res["dry"] = dry_checks(cfg, groups, args.cp, args.tp * args.pp)
     log(f"config ok: {tag} world={world} lengths={res['lengths']} dry={res['dry']}")
     write()
@@ -260,7 +374,7 @@ def main() -> None:
             d = (flat - ref).abs()
             ph[f"vs_{ref_tag}_max_abs"], ph[f"vs_{ref_tag}_mean_abs"] = float(d.max()), float(d.mean())
         log(f"logprobs: {ph}")
-    except Exception as e:  # keep going: the train step is the main figure
+    except Exception as e:  # noqa: BLE001 - keep going: the train step is the main figure
         res["errors"].append(f"logprobs: {e!r}\n{traceback.format_exc()}")
         log(f"logprobs FAILED: {e!r}\n{traceback.format_exc()}")
     write()
@@ -307,6 +421,8 @@ def main() -> None:
         }
         write()
     log(f"done: {json.dumps(res['phases'].get('timed'))}")
+    if args.probe_tokens or args.probe_auto:
+        probe(learner, args, res, write)
     dist.barrier()
     dist.destroy_process_group()
 
