@@ -13,6 +13,14 @@ Run (2 GPUs):
     PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node 2 bench/cp.py
 CPU dry run of the script's logic (gloo, SDPA, small):
     PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node 2 bench/cp.py --cpu
+
+One GPU (``--emulate-cp 2``, no process group): every CP rank's attention runs in turn in one
+process, local zigzag queries against the whole K/V (what the all-gather would deliver), with
+dK/dV summed over the emulated ranks (what the reduce-scatter would deliver). It checks the
+FlexAttention block mask's forward and backward against a float32 reference on CUDA and times the
+per-rank attention of CP=2 (FlexAttention, and the explicit-mask SDPA path) against CP=1, without
+the collectives:
+    PYTHONPATH=. python bench/cp.py --emulate-cp 2 --json cp_emulated.json
 """
 
 from __future__ import annotations
@@ -96,7 +104,7 @@ _START = time.perf_counter()
 
 def _log(msg: str) -> None:
     """Progress on rank 0 with seconds since start, so a run cut off by a time limit says where."""
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         print(f"[{time.perf_counter() - _START:7.1f}s] {msg}", flush=True)
 
 
@@ -215,6 +223,109 @@ def _bench_layout(
     }
 
 
+def _cuda_ms(step: Callable[[], Any], iters: int) -> float:
+    step()  # warm-up (compiles on the first call)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def _emulate_layout(lengths: list[int], args: argparse.Namespace, cp_size: int) -> dict[str, Any]:
+    """CP=1 vs. every emulated CP rank's attention on one GPU (see the module docstring)."""
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    T, H, Hkv, D = sum(lengths), args.heads, args.kv_heads, args.head_dim
+    scale = D**-0.5
+    cu = _cu(lengths)
+    g = torch.Generator(device=device).manual_seed(1234)
+    full32 = [torch.randn((T, h, D), generator=g, device=device) for h in (H, Hkv, Hkv, H)]
+    q, k, v, dout = (t.to(dtype) for t in full32)
+    res: dict[str, Any] = {"doc_lengths": lengths, "first_call_s": {}, "fwd_bwd_ms": {}, "errors": {}}
+
+    ref = _fwd_bwd(lambda a, b, c: document_causal_attention(a, b, c, cu, backend="sdpa"),
+                   [t.clone().requires_grad_() for t in full32[:3]], full32[3])
+    del full32
+
+    def run_cp(backend: str, time_it: bool) -> tuple[list[torch.Tensor], list[float]]:
+        """Forward+backward of every emulated rank; outputs/dq scattered back, dk/dv summed."""
+        out, dq = torch.empty_like(q), torch.empty_like(q)
+        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
+        times = []
+        for r in range(cp_size):
+            idx = zigzag_indices(cu, cp_size, r).to(device)
+            plan = cp_attention._get_plan(cu, cp_size, r, device, backend)
+            leaves = [q[idx].clone().requires_grad_(), k.clone().requires_grad_(), v.clone().requires_grad_()]
+            grad = dout[idx].contiguous()
+
+            def step(leaves: list = leaves, plan: Any = plan, grad: torch.Tensor = grad) -> list[torch.Tensor]:
+                return _fwd_bwd(lambda a, b, c: cp_attention._attend(a, b, c, plan, scale, backend), leaves, grad)
+
+            t0 = time.perf_counter()
+            got = step()
+            torch.cuda.synchronize()
+            res["first_call_s"][f"cp{cp_size}_{backend}_rank{r}"] = time.perf_counter() - t0
+            out[idx], dq[idx] = got[0], got[1]
+            dk += got[2].float()
+            dv += got[3].float()
+            if time_it:
+                times.append(_cuda_ms(step, args.iters))
+        return [out, dq, dk, dv], times
+
+    t0 = time.perf_counter()
+    cp1_leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    cp1 = _fwd_bwd(lambda a, b, c: document_causal_attention(a, b, c, cu, backend="flex"), cp1_leaves, dout)
+    torch.cuda.synchronize()
+    res["first_call_s"]["cp1_flex"] = time.perf_counter() - t0
+    res["fwd_bwd_ms"]["cp1_flex"] = _cuda_ms(
+        lambda: _fwd_bwd(lambda a, b, c: document_causal_attention(a, b, c, cu, backend="flex"), cp1_leaves, dout),
+        args.iters)
+    _log(f"{lengths}: CP=1 flex {res['fwd_bwd_ms']['cp1_flex']:.2f} ms (first call {res['first_call_s']['cp1_flex']:.1f}s)")
+    got, times = run_cp("flex", True)
+    res["fwd_bwd_ms"][f"cp{cp_size}_flex_per_rank"] = times
+    _log(f"{lengths}: CP={cp_size} flex per rank {times} ms")
+    for i, what in enumerate(("out", "dq", "dk", "dv")):
+        res["errors"][what] = {"cp1_flex_vs_fp32": _rel_err(cp1[i], ref[i]),
+                               f"cp{cp_size}_flex_vs_fp32": _rel_err(got[i], ref[i])}
+    del got, cp1
+    if T <= args.sdpa_max_tokens:  # the explicit [t, T] mask path, for comparison
+        _, times = run_cp("sdpa", True)
+        res["fwd_bwd_ms"][f"cp{cp_size}_sdpa_per_rank"] = times
+        _log(f"{lengths}: CP={cp_size} sdpa (explicit mask) per rank {times} ms")
+    cp_attention._plan.cache_clear()
+    t0 = time.perf_counter()
+    cp_attention._get_plan(cu, cp_size, 0, device, "flex")
+    torch.cuda.synchronize()
+    res["mask_build_ms"] = (time.perf_counter() - t0) * 1e3
+    res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    return res
+
+
+def emulate(args: argparse.Namespace) -> None:
+    """``--emulate-cp N`` on one GPU: CP=N attention per rank vs. CP=1, written to ``--json``."""
+    torch.cuda.set_device(0)
+    results: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "emulated_cp": args.emulate_cp,
+        "shape": {"heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "dtype": "bfloat16"},
+        "layouts": {},
+    }
+    layouts = {f"{n} {name}": lens for n in args.emulate_tokens for name, lens in _layouts(n).items()
+               if n == args.emulate_tokens[0] or name == "1 doc"}
+    for name, lengths in layouts.items():
+        try:
+            results["layouts"][name] = _emulate_layout(lengths, args, args.emulate_cp)
+        except Exception as e:  # noqa: BLE001 - keep the other layouts' figures
+            results["layouts"][name] = {"error": repr(e)[:500]}
+            _log(f"{name}: FAILED {e!r}")
+        print(f"[{name}] {json.dumps(results['layouts'][name])}", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=2)
+
+
 def main() -> None:
     """Run the benchmark on every rank; rank 0 prints a table and writes ``--json``."""
     ap = argparse.ArgumentParser(
@@ -227,7 +338,14 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json", default=None, help="write the results here (rank 0)")
     ap.add_argument("--cpu", action="store_true", help="gloo + SDPA in float32, for a dry run")
+    ap.add_argument("--emulate-cp", type=int, default=0, help="one GPU, no process group: emulate this CP degree")
+    ap.add_argument("--emulate-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[16384],
+                    help="packed lengths for --emulate-cp (all layouts for the first, '1 doc' for the rest)")
+    ap.add_argument("--sdpa-max-tokens", type=int, default=16384, help="--emulate-cp: SDPA path up to this length")
     args = ap.parse_args()
+    if args.emulate_cp:
+        emulate(args)
+        return
 
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if args.cpu:

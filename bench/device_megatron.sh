@@ -9,6 +9,8 @@
 #                                         # per step in micro-batches of 16384: CP=1 with 4k documents (GPU 1) and CP=1 with
 #                                         # 16k documents (GPU 0) side by side, then CP=1's out-of-memory probe (GPU 0), then
 #                                         # CP=2 with 16k documents and CP=2 at the length CP=1 could not hold
+#   bash bench/device_megatron.sh cpflex1 # the one-GPU part of cpflex: CP=1 16k docs + out-of-memory probe, CP=1 4k docs,
+#                                         # then bench/cp.py --emulate-cp 2 (CP=2 attention per rank vs CP=1, flex vs SDPA mask)
 #   bash bench/device_megatron.sh matrix4 # bench/megatron_cp.py on 4 GPUs at 16k tokens: TP1·CP1 (1 GPU), then TP2·CP2,
 #                                         # then PP2·CP2 (last: likeliest to fail); one JSON each as it finishes
 # Steps can be combined: bash bench/device_megatron.sh check bench
@@ -50,6 +52,17 @@ for step in "$@"; do
            timeout ${T3:-280} python3 -m torch.distributed.run --standalone --nproc-per-node 2 $M --cp 2 --doc-len 16384 \
                --ref "$OUT/cp1_d16384.json" --ref-tag cp1_d16384 --probe-tokens "$N" --out "$OUT/cp2_d16384.json" 2>&1 \
                | grep -v Warning | tee -a "$L" || rc=1 ;;
+    cpflex1) L="$OUT/cpflex1.log"; ONE="RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29611"
+           M="bench/megatron_cp.py --shape qwen1.5b --random-init --attention flex --tokens 32768 --mb-tokens 16384 --steps 4 --workdir /tmp/mcpf ${CPFLEX_ARGS:-}"
+           echo "=== $(date +%T) CP=1 16k docs + out-of-memory probe" | tee "$L"
+           env $ONE timeout ${T1:-240} python3 $M --cp 1 --doc-len 16384 --probe-auto --out "$OUT/cp1_d16384.json" 2>&1 \
+               | grep -v Warning | tee -a "$L" || rc=1
+           echo "=== $(date +%T) CP=1 4k docs" | tee -a "$L"
+           env $ONE timeout ${T2:-150} python3 $M --cp 1 --doc-len 4096 --out "$OUT/cp1_d4096.json" 2>&1 \
+               | grep -v Warning | tee -a "$L" || rc=1
+           echo "=== $(date +%T) CP=2 attention emulated on one GPU" | tee -a "$L"
+           timeout ${T3:-170} python3 bench/cp.py --emulate-cp 2 --emulate-tokens 16384,65536 --iters 10 \
+               --json "$OUT/cp_emulated.json" 2>&1 | grep -v Warning | tee -a "$L" || rc=1 ;;
     matrix4) W=/tmp/mcp; L="$OUT/matrix4.log"; M="bench/megatron_cp.py --workdir $W --steps 2 --attention sdpa"
            python3 bench/megatron_cp.py --make-model --workdir $W 2>&1 | tee "$L" || rc=1
            env RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29611 CUDA_VISIBLE_DEVICES=0 \
