@@ -19,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -27,6 +28,7 @@ import torch
 __all__ = [
     "PACKERS",
     "PackedBatch",
+    "bin_lower_bound",
     "build_packer",
     "ffd",
     "make_microbatches",
@@ -80,17 +82,38 @@ def _first_fit(
     bins: list[list[int]],
     free: list[int],
 ) -> None:
-    # Appends to `bins`/`free` in place; `free[b]` is the space left in bin b.
+    # Appends to `bins`/`free` in place; `free[b]` is the space left in bin b. The free space of
+    # the open bins, then of not-yet-opened (empty) ones, sits in a max segment tree, so "the
+    # first bin with room" is one descent: O(log bins) per item instead of a scan of every bin.
+    size = 1
+    while size < len(free) + len(order):
+        size *= 2
+    tree = [capacity] * (2 * size)  # leaves tree[size + b] = free space of bin b
+    tree[size : size + len(free)] = free
+    for node in range(size - 1, 0, -1):
+        tree[node] = max(tree[2 * node], tree[2 * node + 1])
     for i in order:
         n = lengths[i]
-        for b, space in enumerate(free):
-            if n <= space:
-                bins[b].append(i)
-                free[b] -= n
-                break
-        else:
+        node = 1
+        while node < size:  # leftmost leaf with room
+            node *= 2
+            if tree[node] < n:
+                node += 1
+        b = node - size
+        if b == len(bins):
             bins.append([i])
             free.append(capacity - n)
+        else:
+            bins[b].append(i)
+            free[b] -= n
+        tree[node] -= n
+        node //= 2
+        while node:
+            top = max(tree[2 * node], tree[2 * node + 1])
+            if tree[node] == top:
+                break
+            tree[node] = top
+            node //= 2
 
 
 def ffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -123,7 +146,9 @@ class _SortedPool:
 
     def smallest(self, k: int = 1) -> int:
         """Sum of the ``k`` smallest lengths (a large number when fewer than ``k`` remain)."""
-        return sum(n for n, _ in self._keys[:k]) if len(self._keys) >= k else 1 << 62
+        if len(self._keys) < k:
+            return 1 << 62
+        return self._keys[0][0] if k == 1 else sum(n for n, _ in self._keys[:k])
 
     def items(self) -> list[int]:
         return [i for _, i in self._keys]
@@ -213,6 +238,33 @@ def mffd(lengths: Sequence[int], capacity: int) -> list[list[int]]:
     modified = _mffd_only(lengths, capacity)
     plain = ffd(lengths, capacity)
     return plain if len(plain) < len(modified) else modified
+
+
+def bin_lower_bound(lengths: Sequence[int], capacity: int) -> int:
+    """Fewest bins any packing can use: Martello & Toth's (1990) bound L2.
+
+    For every threshold ``k <= capacity/2``: items above ``capacity - k`` share a bin with no item
+    of size ``>= k``; items in ``(capacity/2, capacity - k]`` need a bin each; items in
+    ``[k, capacity/2]`` can go only into those bins' free space or into new bins. L2 is the
+    largest count over ``k``, never below ``ceil(sum / capacity)`` (``k = 0``) or the number of
+    items above half a bin. O(n log n).
+
+    Example:
+        >>> bin_lower_bound([60, 60, 60, 45, 45, 45], 100), -(-315 // 100)
+        (5, 4)
+    """
+    _check_lengths(lengths, capacity)
+    s = sorted(lengths)
+    prefix = list(itertools.accumulate(s, initial=0))
+    large = bisect.bisect_right(s, capacity // 2)  # s[large:] are the items above capacity/2
+    best = -(-prefix[-1] // capacity)
+    for k in [0, *sorted(set(s[:large]))]:
+        top = max(large, bisect.bisect_right(s, capacity - k))  # s[top:]: above capacity - k
+        num_mid, sum_mid = top - large, prefix[top] - prefix[large]  # (capacity/2, capacity - k]
+        sum_small = prefix[large] - prefix[bisect.bisect_left(s, k)]  # [k, capacity/2]
+        spill = sum_small - (num_mid * capacity - sum_mid)
+        best = max(best, len(s) - large + max(0, -(-spill // capacity)))
+    return best
 
 
 PACKERS: dict[str, Packer] = {"ffd": ffd, "mffd": mffd}

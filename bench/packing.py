@@ -27,7 +27,14 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from agentrl.learners.hf_forward import packed_token_logprobs, padded_token_logprobs
-from agentrl.packing import make_microbatches, microbatch_slots, pack_sequences, unpack_padded
+from agentrl.packing import (
+    bin_lower_bound,
+    make_microbatches,
+    mffd,
+    microbatch_slots,
+    pack_sequences,
+    unpack_padded,
+)
 
 MIN_LEN, MAX_LEN = 100, 4096
 PADDED_ROWS = 4
@@ -81,7 +88,7 @@ def efficiency_table(budgets: list[int], batch: int, num_steps: int, seed: int) 
     )
     print("tensor = real tokens / slots of the tensors run; fill = real / (micro-batches x budget)")
     print(
-        "bound = the best fill any packing reaches: bins >= max(ceil(tokens/budget), #seqs > budget/2)"
+        "bound = the best fill any packing could reach: bins >= Martello-Toth L2 (>= ceil(tokens/budget))"
     )
     print(
         f"{'distribution':<12} {'budget':>6} {'mode':<14} {'micro-batches':>13} "
@@ -92,10 +99,7 @@ def efficiency_table(budgets: list[int], batch: int, num_steps: int, seed: int) 
         steps = [sample(rng, batch) for _ in range(num_steps)]
         real = sum(sum(lengths) for lengths in steps)
         for max_tokens in budgets:
-            bins = [
-                max(-(-sum(ls) // max_tokens), sum(2 * n > max_tokens for n in ls)) for ls in steps
-            ]
-            bound = real / (sum(bins) * max_tokens)
+            bound = real / (sum(bin_lower_bound(ls, max_tokens) for ls in steps) * max_tokens)
             for mode in MODES:
                 built = [microbatches(mode, lengths, max_tokens) for lengths in steps]
                 count = sum(len(mbs) for mbs, _ in built)
@@ -106,6 +110,21 @@ def efficiency_table(budgets: list[int], batch: int, num_steps: int, seed: int) 
                     f"{dist:<12} {max_tokens:>6} {mode:<14} {count / num_steps:>13.1f} "
                     f"{tensor:>7.1%} {fill:>7} {bound:>7.1%}"
                 )
+
+
+def packing_time(seed: int, num_sequences: int = 10_000) -> None:
+    print(f"\n## Time to pack {num_sequences} sequences with MFFD (best of 3)")
+    for dist, sample in DISTRIBUTIONS.items():
+        lengths = sample(random.Random(seed), num_sequences)
+        for max_tokens in (4096, 32768):
+            best = min(_seconds(mffd, lengths, max_tokens) for _ in range(3))
+            print(f"{dist:<12} budget {max_tokens:>6}: {best * 1e3:.0f} ms")
+
+
+def _seconds(fn: Callable, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
 
 
 def make_model(size: str, seed: int, device: str, dtype: torch.dtype) -> Qwen2ForCausalLM:
@@ -175,7 +194,8 @@ def timing_table(args: argparse.Namespace, size: str, dtype: torch.dtype) -> Non
         f"{'distribution':<12} {'tokens/step':>11} {'padded_rows':>12} {'padded_budget':>14} "
         f"{'mffd':>7} {'x vs rows':>10} {'x vs budget':>12} {'max |dlogp|':>12}"
     )
-    for dist, sample in DISTRIBUTIONS.items():
+    for dist in args.distributions:
+        sample = DISTRIBUTIONS[dist]
         rng = random.Random(args.seed + 1)
         steps = [sample(rng, args.batch) for _ in range(args.steps + 1)]
         models = {mode: make_model(size, args.seed, args.device, dtype) for mode in TIMED}
@@ -223,6 +243,13 @@ def main() -> None:
     parser.add_argument("--chunk-size", type=int, default=1024, help="packing.logprob_chunk_size")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--distributions",
+        nargs="+",
+        choices=sorted(DISTRIBUTIONS),
+        default=list(DISTRIBUTIONS),
+        help="length distributions of the timed steps",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     args = parser.parse_args()
     if args.quick:
@@ -233,6 +260,7 @@ def main() -> None:
     efficiency_table(
         sorted({args.max_tokens, 2 * args.max_tokens}), batch=64, num_steps=50, seed=args.seed
     )
+    packing_time(args.seed)
     if args.device == "cuda":
         timing_table(args, "0.5b", torch.bfloat16)
     else:

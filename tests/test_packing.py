@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from agentrl.packing import (
     PACKERS,
     _mffd_only,
+    bin_lower_bound,
     build_packer,
     ffd,
     make_microbatches,
@@ -49,7 +50,72 @@ def test_packers_place_every_sequence_once_within_capacity(name, case):
     bins = PACKER_FNS[name](lengths, capacity)
     _check_bins(bins, lengths, capacity)
     assert len(bins) >= math.ceil(sum(lengths) / capacity)
+    assert len(bins) >= bin_lower_bound(lengths, capacity)
     assert PACKER_FNS[name](lengths, capacity) == bins, "deterministic"
+
+
+def _first_fit_by_scan(lengths: list[int], capacity: int) -> list[list[int]]:
+    # The textbook FFD, each item scanning the bins in order (what the segment tree must match).
+    bins: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        b = next((b for b, space in enumerate(free) if lengths[i] <= space), len(bins))
+        if b == len(bins):
+            bins.append([])
+            free.append(capacity)
+        bins[b].append(i)
+        free[b] -= lengths[i]
+    return bins
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=lengths_and_capacity(max_items=80))
+def test_ffd_equals_the_textbook_scan(case):
+    lengths, capacity = case
+    assert ffd(lengths, capacity) == _first_fit_by_scan(lengths, capacity)
+
+
+def _optimal_bins(lengths: list[int], capacity: int) -> int:
+    # Exhaustive: each item (largest first) into every distinct open bin or a new one.
+    best = len(lengths)
+
+    def place(k: int, loads: list[int]) -> None:
+        nonlocal best
+        if len(loads) >= best:
+            return
+        if k == len(lengths):
+            best = len(loads)
+            return
+        n, tried = lengths[k], set()
+        for b, load in enumerate(loads):
+            if load + n <= capacity and load not in tried:
+                tried.add(load)
+                loads[b] += n
+                place(k + 1, loads)
+                loads[b] -= n
+        place(k + 1, [*loads, n])
+
+    place(0, [])
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    capacity=st.integers(1, 60),
+    data=st.data(),
+)
+def test_bin_lower_bound_is_a_valid_and_useful_bound(capacity, data):
+    lengths = sorted(data.draw(st.lists(st.integers(1, capacity), max_size=9)), reverse=True)
+    bound = bin_lower_bound(lengths, capacity)
+    assert bound <= _optimal_bins(lengths, capacity), "never above the optimum"
+    assert bound >= math.ceil(sum(lengths) / capacity)
+    assert bound >= sum(2 * n > capacity for n in lengths)
+
+
+def test_bin_lower_bound_beats_the_volume_bound():
+    # No 45 fits beside a 60, so the three 45s need two more bins: 5, not ceil(315/100) = 4.
+    assert bin_lower_bound([60, 60, 60, 45, 45, 45], 100) == 5
+    assert len(mffd([60, 60, 60, 45, 45, 45], 100)) == 5
 
 
 @settings(max_examples=300, deadline=None)

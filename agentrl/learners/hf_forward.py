@@ -27,7 +27,6 @@ chunk's logits, so only ``[chunk_size, vocab]`` is alive at a time.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from typing import Any
 
@@ -56,17 +55,26 @@ _compiled_flex: Any = None
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
-    """log_softmax(hidden @ weight.T / temperature)[targets], chunk by chunk, recomputed in backward."""
+    """log_softmax(hidden @ weight.T / temperature)[targets], chunk by chunk, recomputed in backward.
+
+    One ``[chunk_size, V]`` buffer is reused across chunks and every elementwise step is in place:
+    a fresh 32 MB tensor per chunk is a fresh mmap on CPU, and its page faults cost as much as
+    an elementwise pass.
+    """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size):  # type: ignore[override]
         compute = torch.promote_types(hidden.dtype, torch.float32)  # float64 stays float64
         out = torch.empty(hidden.shape[0], dtype=compute, device=hidden.device)
         lse = torch.empty_like(out)
+        buf = _logits_buffer(hidden, weight, chunk_size, compute)
         for s in range(0, hidden.shape[0], chunk_size):
-            logits = (hidden[s : s + chunk_size] @ weight.T).to(compute).div_(temperature)  # [C, V]
-            lse[s : s + chunk_size] = torch.logsumexp(logits, dim=-1)
+            logits = _chunk_logits(hidden[s : s + chunk_size], weight, temperature, buf)  # [C, V]
             out[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None])[:, 0]
+            # logsumexp in place (torch.logsumexp allocates a [C, V] temporary for x - max).
+            peak = logits.amax(dim=1, keepdim=True)
+            peak.masked_fill_(~torch.isfinite(peak), 0.0)
+            lse[s : s + chunk_size] = logits.sub_(peak).exp_().sum(dim=1).log_().add_(peak[:, 0])
         out -= lse
         ctx.save_for_backward(hidden, weight, targets, lse)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
@@ -84,21 +92,46 @@ class _ChunkedLogprobs(torch.autograd.Function):
             if need_weight
             else None
         )
+        buf = _logits_buffer(hidden, weight, chunk_size, lse.dtype)
         for s in range(0, hidden.shape[0], chunk_size):
             h = hidden[s : s + chunk_size]
-            g = grad_out[s : s + chunk_size, None].to(lse.dtype)  # [C, 1]
-            # d logprob / d logits = onehot(target) - softmax; softmax rebuilt in place from lse.
-            grad_logits = (h @ weight.T).to(lse.dtype).div_(temperature)
+            # d logprob / d logits = (onehot(target) - softmax) / temperature, times the upstream g.
+            g = grad_out[s : s + chunk_size, None].to(lse.dtype).div(temperature)  # [C, 1]
+            grad_logits = _chunk_logits(h, weight, temperature, buf)  # [C, V]
             grad_logits.sub_(lse[s : s + chunk_size, None]).exp_().mul_(-g)
             grad_logits.scatter_add_(1, targets[s : s + chunk_size, None], g)
-            grad_logits = grad_logits.div_(temperature).to(hidden.dtype)  # [C, V]
+            grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden:
-                grad_hidden[s : s + chunk_size] = grad_logits @ weight
+                torch.mm(grad_logits, weight, out=grad_hidden[s : s + chunk_size])
             if need_weight:
-                grad_weight += (grad_logits.T @ h).to(grad_weight.dtype)
+                if grad_logits.dtype == grad_weight.dtype:
+                    grad_weight.addmm_(grad_logits.T, h)
+                else:
+                    grad_weight += (grad_logits.T @ h).to(grad_weight.dtype)
         if need_weight:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _logits_buffer(
+    hidden: torch.Tensor, weight: torch.Tensor, chunk_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    rows = min(chunk_size, hidden.shape[0])
+    return torch.empty(rows, weight.shape[0], dtype=dtype, device=hidden.device)  # [C, V]
+
+
+def _chunk_logits(
+    h: torch.Tensor, weight: torch.Tensor, temperature: float, buf: torch.Tensor
+) -> torch.Tensor:
+    # h @ weight.T / temperature into the first len(h) rows of buf, in buf's dtype.
+    logits = buf[: h.shape[0]]
+    if h.dtype == buf.dtype:
+        torch.mm(h, weight.T, out=logits)
+    else:  # bf16 matmul, float32 softmax
+        logits.copy_(h @ weight.T)
+    if temperature != 1.0:
+        logits.div_(temperature)
+    return logits
 
 
 def chunked_logprobs(
@@ -191,22 +224,19 @@ def _packed_attention(
             query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa
         )
     else:
-        bounds = cu_seqlens.tolist()
+        # split, not slicing: the backward of N slices builds N zero-filled [T]-long gradients.
+        sizes = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        pieces = zip(*(t.split(sizes, dim=2) for t in (query, key, value)))
         out = torch.cat(
             [
                 F.scaled_dot_product_attention(
-                    query[:, :, s:e],
-                    key[:, :, s:e],
-                    value[:, :, s:e],
-                    dropout_p=dropout,
-                    is_causal=True,
-                    scale=scaling,
-                    enable_gqa=gqa,
-                )
-                for s, e in itertools.pairwise(bounds)
+                    q, k, v, dropout_p=dropout, is_causal=True, scale=scaling, enable_gqa=gqa
+                ).transpose(1, 2)  # [B, len, H, D]
+                for q, k, v in pieces
             ],
-            dim=2,
+            dim=1,
         )
+        return out.contiguous(), None
     return out.transpose(1, 2).contiguous(), None
 
 
