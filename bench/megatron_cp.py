@@ -194,6 +194,14 @@ def sync() -> None:
     dist.barrier()
 
 
+def compile_report(when: str) -> None:
+    """torch.compile's cumulative compile time per function and its frame/recompile counters."""
+    from torch._dynamo.utils import compile_times, counters
+
+    log(f"compile times {when}:\n{compile_times(repr='str', aggregate=True)}")
+    log(f"dynamo counters {when}: { {k: dict(v) for k, v in counters.items() if k in ('stats', 'frames', 'recompiles')} }")
+
+
 PROBE_CANDIDATES = (32768, 49152, 65536, 81920, 98304, 131072, 163840, 196608, 262144)
 
 
@@ -292,6 +300,8 @@ def main() -> None:
                          "fit this GPU (stops at the first out-of-memory error)")
     ap.add_argument("--random-init", action="store_true", help="random weights from the config (no checkpoint)")
     ap.add_argument("--make-model", action="store_true", help="only write the checkpoint to --workdir/model")
+    ap.add_argument("--compile-report", action="store_true",
+                    help="log torch.compile's time per compiled function after the first logprobs and step")
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--fake", action="store_true")
     args = ap.parse_args()
@@ -374,6 +384,8 @@ def main() -> None:
             d = (flat - ref).abs()
             ph[f"vs_{ref_tag}_max_abs"], ph[f"vs_{ref_tag}_mean_abs"] = float(d.max()), float(d.mean())
         log(f"logprobs: {ph}")
+        if args.compile_report:
+            compile_report("after logprobs")
     except Exception as e:  # noqa: BLE001 - keep going: the train step is the main figure
         res["errors"].append(f"logprobs: {e!r}\n{traceback.format_exc()}")
         log(f"logprobs FAILED: {e!r}\n{traceback.format_exc()}")
@@ -399,6 +411,8 @@ def main() -> None:
             ph["ref_loss"], ph["ref_grad_norm"] = ref["loss"], ref["grad_norm"]
             ph["loss_rel_diff"] = abs(ph["loss"] - ref["loss"]) / max(abs(ref["loss"]), 1e-12)
             ph["grad_norm_rel_diff"] = abs(ph["grad_norm"] - ref["grad_norm"]) / max(abs(ref["grad_norm"]), 1e-12)
+    if args.compile_report:
+        compile_report("after step1")
     log(f"step1 in {ph['s']:.1f}s: loss {ph['loss']:.6g} grad_norm {ph['grad_norm']:.6g} "
         f"peak {ph['peak_mem_gib']:.2f} GiB; vs ref: {ph.get('loss_rel_diff')}, {ph.get('grad_norm_rel_diff')}")
     write()

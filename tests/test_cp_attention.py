@@ -240,6 +240,32 @@ def test_flex_block_mask_equals_dense_mask(data: st.DataObject, cp_size: int, bl
         assert torch.equal(bm.to_dense(), ref.to_dense())
 
 
+@settings(max_examples=20, deadline=None)
+@given(lengths=st.lists(st.integers(0, 300), min_size=1, max_size=5).filter(lambda x: sum(x) > 0))
+def test_cp1_core_attention_block_mask_equals_dense_mask(lengths: list[int]) -> None:
+    # The CP=1 path of the Megatron core attention builds its mask with the same builder from
+    # cu_seqlens (empty documents included); it must equal the document-causal mask.
+    pytest.importorskip("megatron.core")
+    from agentrl.learners.megatron import attention
+
+    cu = _cu(lengths)
+    t = int(cu[-1])
+    params = attention.make_packed_params(cu, max(lengths))
+    bm = attention._document_block_mask(params, t, torch.device("cpu"))
+    assert params.cache["block_mask"] is bm  # built once per micro-batch
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    dense = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    pos = torch.arange(t)
+    grid = bm.mask_mod(None, None, pos[:, None], pos[None, :])
+    assert torch.equal(grid, dense)
+    n = -(-t // 128)  # 128-token tiles: non-empty = any allowed pair, full = all allowed
+    padded = torch.zeros(n * 128, n * 128, dtype=torch.bool)
+    padded[:t, :t] = dense
+    tiles = padded.view(n, 128, n, 128)
+    assert torch.equal(bm.to_dense()[0, 0], tiles.any(3).any(1))
+    assert torch.equal(bm.full_kv_num_blocks[0, 0], tiles.all(3).all(1).sum(-1).int())
+
+
 def test_shape_errors_are_clear() -> None:
     q, k, v, _ = _qkv(8, 2, 2, 4, 0)
     with pytest.raises(ValueError, match="must both hold 8 local tokens"):
