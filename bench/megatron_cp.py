@@ -4,7 +4,7 @@ One process per GPU (``torchrun``, or plain ``python3`` with RANK/WORLD_SIZE/...
 ``--tp``/``--pp`` add tensor/pipeline parallel degrees (DP = world / (tp*pp*cp); bench/device_megatron.sh
 matrix4 runs TP1·CP1, TP2·CP2 and PP2·CP2 on 4 GPUs). The model is a random Qwen2-shape checkpoint (``SHAPE``, bf16) written once to ``--workdir`` by
 ``--make-model``, so every run loads the same initial weights. The batch is one group of 3
-trajectories (lengths ``[1/2, 3/8, 1/8] * --tokens``, a 20 % prompt then sampled tokens, rewards
+trajectories (by default lengths ``[1/2, 3/8, 1/8] * --tokens``, a 20 % prompt then sampled tokens, rewards
 1/0/0.5) packed into one micro-batch (``packing.pad_multiple=4``). Phases, each followed by a
 rewrite of ``--out`` (JSON), so a run cut short still leaves what it measured:
 
@@ -12,7 +12,14 @@ rewrite of ``--out`` (JSON), so a run cut short still leaves what it measured:
 2. ``logprobs`` of the batch under the initial weights (saved to ``--workdir/lp_cp{cp}_{tokens}.pt``;
    compared with the file of ``--ref-cp`` when it exists);
 3. the first ``train_step`` (loss, grad norm; compared with ``--ref`` JSON when given);
-4. ``--steps`` timed ``train_step`` calls: tokens/s per GPU, peak ``torch.cuda.max_memory_allocated``.
+4. ``--steps`` timed ``train_step`` calls: tokens/s per GPU, peak ``torch.cuda.max_memory_allocated``;
+5. with ``--probe-tokens N`` or ``--probe-auto``: one ``train_step`` on 2 trajectories of N tokens
+   (one per micro-batch), recording a ``torch.cuda.OutOfMemoryError`` instead of failing; ``--probe-auto``
+   picks N from a linear memory model of the timed steps (the shortest length predicted not to fit).
+
+``--shape qwen1.5b --random-init`` is the Qwen2.5-1.5B shape with Megatron's seeded random init (its
+seed does not depend on the CP rank; the logprob comparison checks that CP degrees start equal); ``--doc-len D`` makes ``--tokens / D`` trajectories of D tokens
+(rewards 1, 0, 1, ...) packed into micro-batches of ``--mb-tokens`` (bench/device_megatron.sh cpflex).
 
 ``--dry-run`` stops before the learner (config, batch, packing and zigzag shards only; CPU, any
 world size, gloo); ``--fake`` replaces the learner by a stub (CPU checks of the phase logic).
