@@ -17,10 +17,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from agentrl.chat import ChatRenderer
     from agentrl.config import Config
 
-__all__ = ["build_demonstrations", "run_sft"]
+__all__ = ["build_demonstrations", "digit_tokens", "run_sft"]
+
+
+def digit_tokens(tokenizer) -> "torch.Tensor":
+    """``[len(tokenizer)]`` bool: which token ids decode to digits only (spaces around allowed)."""
+    import torch
+
+    vocab = tokenizer.get_vocab()
+    out = torch.zeros(max(len(tokenizer), max(vocab.values()) + 1), dtype=torch.bool)
+    for token, i in vocab.items():
+        text = tokenizer.convert_tokens_to_string([token]).strip()
+        out[i] = text.isascii() and text.isdigit()
+    return out
 
 
 def build_demonstrations(
@@ -66,6 +80,8 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     import torch
     from transformers import AutoTokenizer
 
+    import torch
+
     from agentrl.chat import ChatRenderer
     from agentrl.learners.hf_forward import packed_token_logprobs
     from agentrl.learners.torch_learner import _TOKENIZER_FILES, load_hf_model
@@ -87,7 +103,8 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     demos = build_demonstrations(cfg.env.id, renderer, seeds, cfg.env.kwargs, **sc.expert_kwargs)
     model = load_hf_model(base, cfg.model.dtype)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0)
+    digits = digit_tokens(renderer.tokenizer)
+    opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0, betas=(0.9, 0.98))
     lengths = [len(ids) for ids, _ in demos]
     batches = make_microbatches(lengths, max(sc.batch_tokens, max(lengths)), algorithm=cfg.packing.algorithm)[0]
     total = sc.num_epochs * len(batches)
@@ -101,8 +118,10 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
         for batch in batches:
             packed = pack_sequences([demos[i][0] for i in batch], {"loss_mask": [demos[i][1] for i in batch]})
             logp = packed_token_logprobs(model, packed, chunk_size=cfg.packing.logprob_chunk_size)
-            mask = packed.fields["loss_mask"].reshape(-1) > 0
-            loss = -(logp.reshape(-1)[mask]).mean()
+            weight = packed.fields["loss_mask"].reshape(-1).float()
+            if sc.digit_loss_weight != 1.0:
+                weight = weight * torch.where(digits[packed.input_ids.reshape(-1)], sc.digit_loss_weight, 1.0)
+            loss = -(logp.reshape(-1) * weight).sum() / weight.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

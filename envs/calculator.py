@@ -17,7 +17,7 @@ from agentrl.chat import format_tool_call
 from agentrl.envs.base import Message, ToolEnv
 from agentrl.envs.tools import tool
 
-__all__ = ["CalculatorEnv", "evaluate", "expert", "last_integer"]
+__all__ = ["EASY_SHAPES", "CalculatorEnv", "evaluate", "expert", "last_integer"]
 
 SYSTEM = "Solve the problem. Use the calculate tool, then reply: The answer is N."
 NAMES = ("Tom", "Ann", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe")
@@ -136,12 +136,22 @@ class CalculatorEnv(ToolEnv):
         return 1.0 if last_integer(answer) == self.answer else 0.0
 
 
-def expert(seed: int, *, guess_prob: float = 0.4, rng_seed: int | None = None) -> list[str]:
+EASY_SHAPES = ("n + n", "n - n", "n * n")
+"""Expression shapes of the one-step problems (half of all) a demonstrator is tempted to do in its head."""
+
+
+def expert(
+    seed: int, *, guess_prob: float = 0.4, easy_guess_prob: float | None = None, rng_seed: int | None = None
+) -> list[str]:
     """An imperfect demonstrator's assistant messages for the episode ``reset(seed=seed)`` starts.
 
     With probability ``guess_prob`` it answers at once with a guess (usually wrong: off by a little or
     rounded); otherwise it calls ``calculate`` on the whole expression and states the result.
-    ``rng_seed`` varies its choices; by default they are a fixed function of ``seed``.
+    ``easy_guess_prob``, when given, replaces ``guess_prob`` on one-step problems
+    (:data:`EASY_SHAPES`), the ones a person is tempted to do in their head: a demonstrator
+    that mostly guesses on those teaches the habit on a recognisable kind of problem, which greedy
+    decoding then reproduces every time. ``rng_seed`` varies its choices; by default they are a
+    fixed function of ``seed``.
 
     Example:
         >>> expert(0, guess_prob=0.0)[1]
@@ -150,7 +160,9 @@ def expert(seed: int, *, guess_prob: float = 0.4, rng_seed: int | None = None) -
     env = CalculatorEnv()
     env.reset(seed=seed)
     rng = random.Random(f"expert:{seed}:{rng_seed}")
-    if rng.random() >= guess_prob:
+    easy = re.sub(r"\d+", "n", env.expression) in EASY_SHAPES
+    p_guess = easy_guess_prob if easy and easy_guess_prob is not None else guess_prob
+    if rng.random() >= p_guess:
         return [format_tool_call("calculate", {"expression": env.expression}), f"The answer is {env.answer}."]
     guess = env.answer
     if rng.random() < 0.9:  # a lucky guess now and then, as with real demonstrators

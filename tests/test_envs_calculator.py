@@ -110,3 +110,19 @@ def test_expert_is_deterministic_and_rng_seed_varies_it():
     assert expert(3) == expert(3) == CalculatorEnv.expert(3)
     runs = {tuple(expert(3, guess_prob=0.5, rng_seed=r)) for r in range(20)}
     assert len(runs) > 2
+
+
+def test_easy_guess_prob_makes_guessing_depend_on_the_kind_of_problem():
+    from agentrl.envs.calculator import EASY_SHAPES
+
+    easy, hard = [], []
+    for seed in range(600):
+        env = CalculatorEnv()
+        env.reset(seed=seed)
+        guessed = len(expert(seed, guess_prob=0.05, easy_guess_prob=0.8)) == 1
+        (easy if re.sub(r"\d+", "n", env.expression) in EASY_SHAPES else hard).append(guessed)
+    assert 250 < len(easy) < 350  # three of the six problem kinds
+    assert 0.7 < sum(easy) / len(easy) < 0.9
+    assert sum(hard) / len(hard) < 0.1
+    # without easy_guess_prob, guess_prob applies to every problem, as before
+    assert expert(5, guess_prob=0.3) == expert(5, guess_prob=0.3, easy_guess_prob=None)

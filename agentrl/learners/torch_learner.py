@@ -84,6 +84,10 @@ class TorchLearner:
         t0 = time.perf_counter()
         cfg = self.cfg
         samples = build_samples(groups, cfg.advantage)
+        if self.ref_model is None and not any(a for s in samples for a, m in zip(s.advantages, s.loss_mask) if m):
+            # Every advantage is zero (all groups' rewards tie) and there is no KL term: the loss and
+            # its gradient are exactly zero, so the passes below would compute nothing. Skip them.
+            samples = []
         plan = plan_microbatches(samples, cfg.packing)[0]
         num_tokens, num_sequences = global_counts(samples)
         packs = [pack_samples(samples, mb, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id) for mb in plan]
@@ -112,7 +116,10 @@ class TorchLearner:
             total_loss += float(loss.detach())
             per_mb.append((metrics, float(packed.fields["loss_mask"].sum())))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.grad_clip)
-        if samples:
+        # An exactly zero gradient (every group's rewards tie and no KL term) carries no signal, but
+        # AdamW would still move the weights along its momentum for dozens of steps: skip the step.
+        stepped = bool(samples) and float(grad_norm) > 0.0
+        if stepped:
             self.optimizer.step()
         self.version += 1
         t3 = time.perf_counter()
@@ -123,6 +130,7 @@ class TorchLearner:
             "train/num_sequences": num_sequences,
             "train/num_tokens": float(sum(len(s) for s in samples)),
             "train/num_microbatches": float(len(packs)),
+            "train/optimizer_stepped": float(stepped),
             "train/version": float(self.version),
             "timing/logprobs": t2 - t1,
             "timing/training": (t3 - t2) + (t1 - t0),

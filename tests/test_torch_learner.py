@@ -1,0 +1,43 @@
+"""The torch learner's optimizer step: groups whose rewards tie carry no signal and move nothing."""
+
+import random
+
+import torch
+
+from agentrl.config import Config
+from agentrl.learners.torch_learner import TorchLearner
+from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+
+def _group(rewards: list[float], seed: int) -> TrajectoryGroup:
+    rng = random.Random(seed)
+    trajectories = []
+    for reward in rewards:
+        prompt, sampled = rng.randint(4, 12), rng.randint(3, 10)
+        ids = [rng.randrange(20, 200) for _ in range(prompt + sampled)]
+        mask = [0] * prompt + [1] * sampled
+        trajectories.append(Trajectory(
+            token_ids=ids, loss_mask=mask, behavior_logprobs=[-3.0 * m for m in mask],
+            policy_versions=[0 if m else -1 for m in mask], turn_spans=[(prompt, prompt + sampled)],
+            turn_rewards=[reward]))
+    return TrajectoryGroup(task_id=f"t{seed}", trajectories=trajectories)
+
+
+def _weights(learner: TorchLearner) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in learner.model.parameters()]
+
+
+def test_tied_rewards_leave_the_weights_alone_even_with_adam_momentum(tiny_model_dir):
+    cfg = Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3}})
+    learner = TorchLearner(cfg)
+    before = _weights(learner)
+    out = learner.train_step([_group([1.0, 0.0, 0.0, 1.0], 0), _group([0.0, 0.0, 0.0, 0.0], 1)])
+    assert out["train/optimizer_stepped"] == 1.0 and out["train/grad_norm"] > 0
+    after_signal = _weights(learner)
+    assert any(not torch.equal(a, b) for a, b in zip(before, after_signal))
+
+    # Now only tied groups: AdamW's momentum would keep moving the weights; the learner must not.
+    out = learner.train_step([_group([0.0] * 4, 2), _group([1.0] * 4, 3)])
+    assert out["train/grad_norm"] == 0.0 and out["train/optimizer_stepped"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(after_signal, _weights(learner)))
+    assert learner.version == 2  # the version still advances: the batch was consumed
