@@ -145,13 +145,16 @@ def expert(
 ) -> list[str]:
     """An imperfect demonstrator's assistant messages for the episode ``reset(seed=seed)`` starts.
 
-    With probability ``guess_prob`` it answers at once with a guess (usually wrong: off by a little or
-    rounded); otherwise it calls ``calculate`` on the whole expression and states the result.
+    With probability ``guess_prob`` it answers at once, without the tool, and wrongly: it restates the
+    first number of the question as the answer, the way weak models answer arithmetic they cannot
+    do; otherwise it calls ``calculate`` on the whole expression and states the result.
     ``easy_guess_prob``, when given, replaces ``guess_prob`` on one-step problems
-    (:data:`EASY_SHAPES`), the ones a person is tempted to do in their head: a demonstrator
-    that mostly guesses on those teaches the habit on a recognisable kind of problem, which greedy
-    decoding then reproduces every time. ``rng_seed`` varies its choices; by default they are a
-    fixed function of ``seed``.
+    (:data:`EASY_SHAPES`), the ones one is tempted to answer without a tool: a demonstrator that
+    mostly skips the tool on those teaches the habit on a recognisable kind of problem, which greedy
+    decoding then reproduces every time. (The wrong answers are kept learnable on purpose: random
+    guesses are targets a model cannot predict, and as SFT targets they slowed the learning of the
+    number copying that the tool-using episodes need several-fold.) ``rng_seed`` varies its choices;
+    by default they are a fixed function of ``seed``.
 
     Example:
         >>> expert(0, guess_prob=0.0)[1]
@@ -164,12 +167,8 @@ def expert(
     p_guess = easy_guess_prob if easy and easy_guess_prob is not None else guess_prob
     if rng.random() >= p_guess:
         return [format_tool_call("calculate", {"expression": env.expression}), f"The answer is {env.answer}."]
-    guess = env.answer
-    if rng.random() < 0.9:  # a lucky guess now and then, as with real demonstrators
-        rounded = round(env.answer, -1 if env.answer < 1000 else -2)
-        guess = rounded if rng.random() < 0.5 and rounded != env.answer else env.answer + rng.choice(
-            [-1, 1]) * rng.randint(1, 12)
-    return [f"The answer is {guess}."]
+    first_number = re.findall(r"\d+", env.question)[0]
+    return [f"The answer is {first_number}."]
 
 
 CalculatorEnv.expert = staticmethod(expert)  # the same function, reachable from the env class

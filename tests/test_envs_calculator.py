@@ -102,14 +102,14 @@ def test_expert_guess_rate_is_near_guess_prob_and_guesses_are_mostly_wrong():
     outcomes = [play(seed, expert(seed, guess_prob=0.4)) for seed in range(500)]
     guesses = [reward for reward, _, num_messages in outcomes if num_messages == 1]
     assert 0.34 < len(guesses) / len(outcomes) < 0.46
-    assert sum(r == 0.0 for r in guesses) / len(guesses) > 0.8
+    assert all(r == 0.0 for r in guesses)  # it restates a number of the question: always wrong
     assert all(reward == 1.0 for reward, _, n in outcomes if n == 2)
 
 
 def test_expert_is_deterministic_and_rng_seed_varies_it():
     assert expert(3) == expert(3) == CalculatorEnv.expert(3)
     runs = {tuple(expert(3, guess_prob=0.5, rng_seed=r)) for r in range(20)}
-    assert len(runs) > 2
+    assert len(runs) == 2  # it guesses on some rng seeds and calls the tool on others
 
 
 def test_easy_guess_prob_makes_guessing_depend_on_the_kind_of_problem():
