@@ -85,14 +85,7 @@ def _time_ms(step: Callable[[], Any], iters: int, device: torch.device) -> float
     """Mean wall time of ``step`` per call on this rank, all ranks starting together."""
     dist.barrier()
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            step()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
+        return _cuda_ms(step, iters, warmup=False)
     t0 = time.perf_counter()
     for _ in range(iters):
         step()
@@ -223,8 +216,10 @@ def _bench_layout(
     }
 
 
-def _cuda_ms(step: Callable[[], Any], iters: int) -> float:
-    step()  # warm-up (compiles on the first call)
+def _cuda_ms(step: Callable[[], Any], iters: int, warmup: bool = True) -> float:
+    """Mean CUDA-event time of ``step`` per call, after one warm-up call (compiles) if ``warmup``."""
+    if warmup:
+        step()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

@@ -10,12 +10,16 @@ format tokens, digits of the tool call and digits of the final answer.
 --numw weights digit tokens, --callw weights tokens inside <tool_call>...</tool_call>, --guess and
 --easy are the expert's guess_prob / easy_guess_prob.
 """
-import sys, time, random, math, json, argparse
+import argparse
+import math
+import random
+import time
+
 import torch
 from pathlib import Path
 from transformers import AutoTokenizer
 from agentrl.chat import ChatRenderer
-from agentrl.sft import build_demonstrations
+from agentrl.sft import build_demonstrations, digit_tokens
 from agentrl.learners.hf_forward import packed_token_logprobs
 from agentrl.learners.torch_learner import load_hf_model
 from agentrl.packing import make_microbatches, pack_sequences
@@ -37,10 +41,7 @@ torch.set_num_threads(a.threads)
 torch.manual_seed(0)
 tok = AutoTokenizer.from_pretrained(a.model)
 r = ChatRenderer(tok)
-digit = torch.zeros(len(tok), dtype=torch.bool)
-for t, i in tok.get_vocab().items():
-    s = tok.convert_tokens_to_string([t])
-    if s.strip().isdigit(): digit[i] = True
+digit = digit_tokens(tok)
 end_call = tok.convert_tokens_to_ids("</tool_call>")
 start_call = tok.convert_tokens_to_ids("<tool_call>")
 def cats(ids, mask):
@@ -78,10 +79,10 @@ while step < a.steps:
     for b in batches:
         packed = pack_sequences([train[i][0] for i in b], {"loss_mask": [train[i][1] for i in b]})
         logp = packed_token_logprobs(model, packed, chunk_size=1024).reshape(-1)
-        ids = packed.input_ids.reshape(-1) if hasattr(packed, "input_ids") else None
+        ids = packed.input_ids.reshape(-1)
         mask = packed.fields["loss_mask"].reshape(-1) > 0
         w = mask.float()
-        if a.numw != 1.0 and ids is not None:
+        if a.numw != 1.0:
             w = w * torch.where(digit[ids], a.numw, 1.0)
         if a.callw != 1.0:
             incall = torch.zeros_like(w)

@@ -245,7 +245,6 @@ def test_flex_block_mask_equals_dense_mask(data: st.DataObject, cp_size: int, bl
 def test_cp1_core_attention_block_mask_equals_dense_mask(lengths: list[int]) -> None:
     # The CP=1 path of the Megatron core attention builds its mask with the same builder from
     # cu_seqlens (empty documents included); it must equal the document-causal mask.
-    pytest.importorskip("megatron.core")
     from agentrl.learners.megatron import attention
 
     cu = _cu(lengths)

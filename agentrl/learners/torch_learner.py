@@ -116,9 +116,7 @@ class TorchLearner:
             total_loss += float(loss.detach())
             per_mb.append((metrics, float(packed.fields["loss_mask"].sum())))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.grad_clip)
-        # An exactly zero gradient (every group's rewards tie and no KL term) carries no signal, but
-        # AdamW would still move the weights along its momentum for dozens of steps: skip the step.
-        stepped = bool(samples) and float(grad_norm) > 0.0
+        stepped = bool(samples)  # with no signal AdamW would still move the weights on its momentum
         if stepped:
             self.optimizer.step()
         self.version += 1
