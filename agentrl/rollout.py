@@ -185,6 +185,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
     ok = [t for t in trajectories if t.status != "failed"]
     n = max(len(ok), 1)
     return {
+        "rollout/trajectories": float(len(trajectories)),
         "rollout/reward": sum(t.reward for t in ok) / n,
         "rollout/success": sum(t.success for t in ok) / n,
         "rollout/turns": sum(t.num_turns for t in ok) / n,

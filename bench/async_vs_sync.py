@@ -58,7 +58,7 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "train/loss" in r]
     elapsed = steps[-1]["timing/elapsed"] if steps else wall
-    trajs = sum(r["train/num_sequences"] for r in steps)
+    trajs = sum(r["rollout/trajectories"] for r in steps)  # consumed, trained on or not (tied groups)
     last = steps[-max(1, len(steps) // 4):]
     return {
         "staleness": staleness,
@@ -70,6 +70,9 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
         "tool_use_last_quarter": statistics.mean(r["rollout/tool_use_rate"] for r in last) if steps else 0.0,
         "staleness_max": max((r["replay/staleness_max"] for r in steps), default=0),
         "waiting_s_per_step": statistics.mean(r["timing/waiting"] for r in steps) if steps else 0.0,
+        "learner_s_per_step": statistics.mean(r["timing/learner_step"] for r in steps) if steps else 0.0,
+        # tied groups (all-equal rewards) are consumed but not trained on (exactly zero gradient)
+        "trained_frac": (sum(r["train/num_sequences_trained"] for r in steps) / trajs) if trajs else 0.0,
         "generated_groups": replay["replay/admitted"],
         "dropped_stale": replay["replay/dropped_stale"],
         "hist": hist,
@@ -96,7 +99,9 @@ def main() -> None:
     for key, label in [("traj_per_s", "trajectories / s"), ("steps_per_hour", "learner steps / hour"),
                        ("reward_last_quarter", "reward (last quarter)"),
                        ("tool_use_last_quarter", "tool use (last quarter)"),
-                       ("waiting_s_per_step", "learner waiting s / step"), ("steps", "learner steps"),
+                       ("waiting_s_per_step", "learner waiting s / step"),
+                       ("learner_s_per_step", "learner train s / step"),
+                       ("trained_frac", "trajectories trained on"), ("steps", "learner steps"),
                        ("staleness_max", "max staleness consumed"), ("dropped_stale", "groups dropped stale")]:
         a, b = sync[key], asyn[key]
         ratio = f"{b / a:7.2f}x" if a else "      -"

@@ -41,3 +41,23 @@ def test_tied_rewards_leave_the_weights_alone_even_with_adam_momentum(tiny_model
     assert out["train/grad_norm"] == 0.0 and out["train/optimizer_stepped"] == 0.0
     assert all(torch.equal(a, b) for a, b in zip(after_signal, _weights(learner)))
     assert learner.version == 2  # the version still advances: the batch was consumed
+
+
+def test_tied_groups_are_skipped_without_changing_the_step(tiny_model_dir, monkeypatch):
+    """Dropping zero-advantage samples before the passes gives the same update as keeping them."""
+    import agentrl.learners.torch_learner as tl
+
+    cfg = Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3}})
+    groups = [_group([1.0, 0.0, 0.0, 1.0], 0), _group([1.0] * 4, 1), _group([0.0, 1.0, 1.0, 1.0], 2)]
+    filtered = TorchLearner(cfg)
+    out = filtered.train_step(groups)
+    assert out["train/num_sequences"] == 12.0 and out["train/num_sequences_trained"] == 8.0
+
+    monkeypatch.setattr(tl, "with_signal", lambda samples, has_kl: samples)
+    kept = TorchLearner(cfg)
+    out_kept = kept.train_step(groups)
+    assert out_kept["train/num_sequences_trained"] == 12.0
+    assert abs(out["train/loss"] - out_kept["train/loss"]) < 1e-6
+    assert abs(out["train/grad_norm"] - out_kept["train/grad_norm"]) < 1e-5 * max(1.0, out_kept["train/grad_norm"])
+    for a, b in zip(_weights(filtered), _weights(kept)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

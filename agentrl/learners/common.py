@@ -24,6 +24,7 @@ __all__ = [
     "microbatch_loss",
     "pack_samples",
     "plan_microbatches",
+    "with_signal",
 ]
 
 
@@ -57,6 +58,20 @@ def build_samples(groups: list["TrajectoryGroup"], adv_cfg: "AdvantageConfig") -
 def global_counts(samples: list[TrainSample]) -> tuple[float, float]:
     """(masked tokens, sequences) over the whole batch: the normalizers every micro-batch gets."""
     return float(sum(sum(s.loss_mask) for s in samples)), float(len(samples))
+
+
+def with_signal(samples: list[TrainSample], *, has_kl: bool) -> list[TrainSample]:
+    """The samples whose loss terms can be non-zero.
+
+    Every term of the policy loss is a token's advantage times a factor (ratio, clip, IS weight),
+    so a sample whose masked advantages are all zero adds exactly zero to the loss and to its
+    gradient. Dropping it *after* :func:`global_counts` (the normalizers still count it) leaves the
+    step unchanged and saves its forward and backward. A KL term has no advantage factor: with a
+    reference model every sample is kept. In GRPO a group whose rewards tie is such a group.
+    """
+    if has_kl:
+        return samples
+    return [s for s in samples if any(a and m for a, m in zip(s.advantages, s.loss_mask))]
 
 
 def plan_microbatches(samples: list[TrainSample], cfg: "PackingConfig", num_ranks: int = 1) -> list[list[list[int]]]:

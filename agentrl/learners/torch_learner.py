@@ -21,6 +21,7 @@ from agentrl.learners.common import (
     microbatch_loss,
     pack_samples,
     plan_microbatches,
+    with_signal,
 )
 from agentrl.learners.hf_forward import packed_token_logprobs
 
@@ -84,12 +85,11 @@ class TorchLearner:
         t0 = time.perf_counter()
         cfg = self.cfg
         samples = build_samples(groups, cfg.advantage)
-        if self.ref_model is None and not any(a for s in samples for a, m in zip(s.advantages, s.loss_mask) if m):
-            # Every advantage is zero (all groups' rewards tie) and there is no KL term: the loss and
-            # its gradient are exactly zero, so the passes below would compute nothing. Skip them.
-            samples = []
+        num_tokens, num_sequences = global_counts(samples)  # the loss's normalizers: whole batch
+        # Samples with all-zero advantages (tied groups) contribute exactly nothing: no passes for
+        # them. When none is left, no optimizer step either (AdamW would move on its momentum).
+        samples = with_signal(samples, has_kl=self.ref_model is not None)
         plan = plan_microbatches(samples, cfg.packing)[0]
-        num_tokens, num_sequences = global_counts(samples)
         packs = [pack_samples(samples, mb, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id) for mb in plan]
 
         prox: list[torch.Tensor | None] = [None] * len(packs)
@@ -126,6 +126,7 @@ class TorchLearner:
             "train/loss": total_loss,
             "train/grad_norm": float(grad_norm),
             "train/num_sequences": num_sequences,
+            "train/num_sequences_trained": float(len(samples)),
             "train/num_tokens": float(sum(len(s) for s in samples)),
             "train/num_microbatches": float(len(packs)),
             "train/optimizer_stepped": float(stepped),

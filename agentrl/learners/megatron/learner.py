@@ -32,6 +32,7 @@ from agentrl.learners.common import (
     microbatch_loss,
     pack_samples,
     plan_microbatches,
+    with_signal,
 )
 from agentrl.learners.megatron.attention import PackedAttentionParams, make_packed_params
 from agentrl.learners.megatron.convert import ModelShape
@@ -215,7 +216,8 @@ class MegatronLearner:
         t0 = time.perf_counter()
         cfg, lay = self.cfg, self.layout
         samples = build_samples(groups, cfg.advantage)
-        num_tokens, num_sequences = global_counts(samples)
+        num_tokens, num_sequences = global_counts(samples)  # the loss's normalizers: whole batch
+        samples = with_signal(samples, has_kl=self.ref_model is not None)  # tied groups add nothing
         plan = plan_microbatches(samples, cfg.packing, num_ranks=lay.dp)[lay.dp_rank] if samples else [[]]
         mbs = [self._microbatch(pack_samples(samples, ix, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id)
                                 if ix else None) for ix in plan]
@@ -247,7 +249,7 @@ class MegatronLearner:
         out = self._reduce_metrics(store)
         out.update({
             "train/grad_norm": float(grad_norm or 0.0), "train/num_sequences": num_sequences,
-            "train/num_tokens": float(sum(len(s) for s in samples)), "train/num_microbatches": float(len(mbs) * lay.dp),
+            "train/num_sequences_trained": float(len(samples)), "train/num_tokens": float(sum(len(s) for s in samples)), "train/num_microbatches": float(len(mbs) * lay.dp),
             "train/version": float(self.version), "timing/logprobs": t2 - t1, "timing/training": (t3 - t2) + (t1 - t0),
         })
         return out
