@@ -15,8 +15,9 @@ __all__ = ["ReplayActor"]
 
 @ray.remote
 class ReplayActor:
-    def __init__(self, capacity: int, max_staleness: int, groups_per_step: int) -> None:
-        self.queue = ReplayQueue(capacity, max_staleness, groups_per_step)
+    def __init__(self, capacity: int, max_staleness: int, groups_per_step: int, *,
+                 wait_for_stragglers: bool = True) -> None:
+        self.queue = ReplayQueue(capacity, max_staleness, groups_per_step, wait_for_stragglers=wait_for_stragglers)
         self._cond: asyncio.Condition | None = None
         self._staged: tuple[int, list[Any]] = (0, [])  # (version, [ObjectRef]) wrapped: not resolved
 
@@ -26,20 +27,21 @@ class ReplayActor:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def admit(self) -> None:
-        """Wait for admission (staleness bound and capacity), then reserve a slot."""
+    async def admit(self) -> int:
+        """Wait for admission (staleness bound and capacity), then reserve a slot; returns the
+        ticket that the matching put or release hands back."""
         async with self.cond:
             await self.cond.wait_for(self.queue.can_admit)
-            self.queue.admit()
+            return self.queue.admit()
 
-    async def put(self, group: TrajectoryGroup) -> None:
+    async def put(self, group: TrajectoryGroup, ticket: int) -> None:
         async with self.cond:
-            self.queue.put(group)
+            self.queue.put(group, ticket)
             self.cond.notify_all()
 
-    async def release(self) -> None:
+    async def release(self, ticket: int) -> None:
         async with self.cond:
-            self.queue.release()
+            self.queue.release(ticket)
             self.cond.notify_all()
 
     async def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup]:

@@ -75,9 +75,9 @@ class RolloutActor:
         from agentrl.rollout import run_group
 
         while not self._stop:
-            await self.replay.admit.remote()
+            ticket = await self.replay.admit.remote()
             if self._stop:
-                await self.replay.release.remote()
+                await self.replay.release.remote(ticket)
                 return
             seed = self._next_seed()
             gid = seed
@@ -88,16 +88,16 @@ class RolloutActor:
                 )
             except Exception:
                 self.num_failed_groups += 1
-                await self.replay.release.remote()
+                await self.replay.release.remote(ticket)
                 continue
             finally:
                 for i in range(self.cfg.rollout.group_size):
                     self.router.end_episode(f"g{gid}-e{i}")
             if not group.trainable():  # every episode failed (e.g. its engine died): nothing to learn
                 self.num_failed_groups += 1
-                await self.replay.release.remote()
+                await self.replay.release.remote(ticket)
                 continue
-            await self.replay.put.remote(group)
+            await self.replay.put.remote(group, ticket)
             self.num_groups += 1
 
     async def run(self) -> int:

@@ -118,6 +118,10 @@ class ReplayConfig(Section):
     """A consumed token was produced by weights at most this many learner steps old. 0 = on-policy."""
     groups_per_step: int = Field(4, ge=1)
     """Groups in one learner batch."""
+    wait_for_stragglers: bool = True
+    """The learner waits for an in-flight group that its next step would push over max_staleness
+    (long episodes finish late), instead of dropping it later; false drops it (bias toward short
+    episodes)."""
 
 
 class ImportanceSamplingConfig(Section):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-__all__ = ["evaluate_model"]
+__all__ = ["evaluate_model", "run_episodes"]
 
 
 class _LocalClient:
@@ -18,8 +18,9 @@ class _LocalClient:
         return await self.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
 
 
-async def _evaluate(model: str, env_id: str, num_episodes: int, seed_offset: int, temperature: float,
-                    rollout_overrides: dict[str, Any]) -> dict[str, float]:
+async def run_episodes(model: str, env_id: str, num_episodes: int, seed_offset: int, temperature: float,
+                       rollout_overrides: dict[str, Any]) -> list[Any]:
+    """The trajectories of ``num_episodes`` episodes (seeds ``seed_offset + k``) with one local engine."""
     import anyio
     import gymnasium as gym
     from transformers import AutoTokenizer
@@ -28,7 +29,7 @@ async def _evaluate(model: str, env_id: str, num_episodes: int, seed_offset: int
     from agentrl.chat import ChatRenderer
     from agentrl.config import EngineConfig, RolloutConfig
     from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.rollout import run_episode, summarize
+    from agentrl.rollout import run_episode
 
     gym.spec(env_id)  # unknown ids fail here, with gymnasium's suggestions
     cfg = RolloutConfig(**rollout_overrides)
@@ -54,6 +55,14 @@ async def _evaluate(model: str, env_id: str, num_episodes: int, seed_offset: int
                 tg.start_soon(one, k)
     finally:
         engine.shutdown()
+    return sorted(trajs, key=lambda t: t.seed)
+
+
+async def _evaluate(model: str, env_id: str, num_episodes: int, seed_offset: int, temperature: float,
+                    rollout_overrides: dict[str, Any]) -> dict[str, float]:
+    from agentrl.rollout import summarize
+
+    trajs = await run_episodes(model, env_id, num_episodes, seed_offset, temperature, rollout_overrides)
     return {k.replace("rollout/", "eval/"): v for k, v in summarize(trajs).items()}
 
 

@@ -14,6 +14,14 @@ the group admitted n-th is consumed at step ``n // groups_per_step``, so its sta
 ``max_staleness`` by construction; the per-sample check at consumption catches everything else
 (slow refits, in-flight groups that straddle versions). ``max_staleness = 0`` is strictly
 on-policy: one batch is generated per weight version.
+
+Long episodes finish late. If the learner kept stepping while one was still running, it would
+go over the bound and be dropped, and long episodes would be dropped more often than short ones
+(a bias toward short answers). So each admission returns a ticket (the weights version it was
+admitted under, a lower bound on its tokens' versions) and, with ``wait_for_stragglers``, the
+learner does not take a batch while a group in flight would go over the bound by that step: it
+waits for the straggler. Only groups that were already over the bound when admitted (engines
+lagging behind a refit) can still be dropped.
 """
 
 from __future__ import annotations
@@ -47,9 +55,12 @@ class ReplayQueue:
         capacity: groups held at most; ``can_put`` is False when full (backpressure).
         max_staleness: learner steps a consumed token may lag behind.
         groups_per_step: groups in one learner batch.
+        wait_for_stragglers: ``take`` waits for an in-flight group that its step would make stale,
+            instead of dropping that group later.
     """
 
-    def __init__(self, capacity: int, max_staleness: int, groups_per_step: int) -> None:
+    def __init__(self, capacity: int, max_staleness: int, groups_per_step: int, *,
+                 wait_for_stragglers: bool = True) -> None:
         if capacity < groups_per_step:
             raise ValueError(
                 f"replay.capacity ({capacity}) must hold at least one batch (replay.groups_per_step = {groups_per_step})"
@@ -57,8 +68,9 @@ class ReplayQueue:
         self.capacity = capacity
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
+        self.wait_for_stragglers = wait_for_stragglers
         self.weights_version = 0
-        self.in_flight = 0
+        self.tickets: Counter[int] = Counter()  # in-flight groups by the version they were admitted under
         self.queue: deque[TrajectoryGroup] = deque()
         self.stats = ReplayStats()
 
@@ -72,25 +84,33 @@ class ReplayQueue:
             len(self.queue) + self.in_flight < self.capacity
         )
 
-    def admit(self) -> None:
-        """Reserve a slot for a group about to be generated."""
+    @property
+    def in_flight(self) -> int:
+        return sum(self.tickets.values())
+
+    def admit(self) -> int:
+        """Reserve a slot for a group about to be generated; returns its ticket for put/release."""
         if not self.can_admit():
             raise RuntimeError("admit() called while admission is closed; check can_admit() first")
         self.stats.admitted += 1
-        self.in_flight += 1
+        self.tickets[self.weights_version] += 1
+        return self.weights_version
 
-    def release(self) -> None:
+    def _return_ticket(self, ticket: int, what: str) -> None:
+        if self.tickets[ticket] <= 0:
+            raise RuntimeError(f"{what}(ticket={ticket}) without a matching admit()")
+        self.tickets[ticket] -= 1
+        if not self.tickets[ticket]:
+            del self.tickets[ticket]
+
+    def release(self, ticket: int) -> None:
         """Give back a slot whose group was abandoned (engine died, shutdown)."""
-        if self.in_flight <= 0:
-            raise RuntimeError("release() without a matching admit()")
-        self.in_flight -= 1
+        self._return_ticket(ticket, "release")
         self.stats.released += 1
 
-    def put(self, group: TrajectoryGroup) -> None:
+    def put(self, group: TrajectoryGroup, ticket: int) -> None:
         """Add a finished group; it always fits, since admission reserved its place."""
-        if self.in_flight <= 0:
-            raise RuntimeError("put() without a matching admit()")
-        self.in_flight -= 1
+        self._return_ticket(ticket, "put")
         self.queue.append(group)
         self.stats.put += 1
         for t in group.trajectories:
@@ -105,16 +125,22 @@ class ReplayQueue:
     def staleness(self, group: TrajectoryGroup, learner_version: int) -> int:
         return learner_version - group.min_version if group.min_version >= 0 else 0
 
+    def straggling(self, learner_version: int) -> int:
+        """In-flight groups that a learner step taken now would push over the staleness bound
+        (admitted exactly ``max_staleness`` versions ago; older ones are over it anyway)."""
+        return self.tickets.get(learner_version - self.max_staleness, 0)
+
     def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup] | None:
         """``num_groups`` groups within the staleness bound, those sampled with the oldest weights
-        first, or None if not enough yet. Groups over the bound are dropped (counted) and give
+        first, or None if not enough yet (or, with ``wait_for_stragglers``, while a group in
+        flight would go stale by this step). Groups over the bound are dropped (counted) and give
         their slot back."""
         fresh = [g for g in self.queue if self.staleness(g, learner_version) <= self.max_staleness]
         # Drop stale groups now, enough fresh ones or not: they must give their slots back, or
         # admission could stall with a queue full of groups nobody may consume.
         self.stats.dropped_stale += len(self.queue) - len(fresh)
         self.queue = deque(fresh)
-        if len(fresh) < num_groups:
+        if len(fresh) < num_groups or (self.wait_for_stragglers and self.straggling(learner_version)):
             return None
         # Oldest weights first, not arrival order: a long episode finishes late but started early;
         # taking it before newer short ones keeps it from going stale, so long episodes are not
@@ -171,4 +197,4 @@ class ReplayQueue:
             released=st["released"], generated_lengths=Counter(st["generated_lengths"]),
             consumed_lengths=Counter(st["consumed_lengths"]),
         )
-        self.in_flight = 0
+        self.tickets = Counter()

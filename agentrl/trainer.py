@@ -79,7 +79,8 @@ class Trainer:
                 configure_logging=False,
             )
         self.replay = ReplayActor.options(num_cpus=0).remote(
-            cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step
+            cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step,
+            wait_for_stragglers=cfg.replay.wait_for_stragglers,
         )
         self.engines = [
             EngineActor.options(

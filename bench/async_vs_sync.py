@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -43,7 +44,8 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
         f"train.time_limit_s={seconds}", "eval.num_episodes=0", "train.checkpoint_interval=0",
     ])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
+                                       **{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}})
     trainer = Trainer(cfg, progress=False)
     try:
         trainer.start()
