@@ -209,6 +209,11 @@ class MegatronConfig(Section):
     attention: Literal["flex", "sdpa", "te"] = "flex"
     """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
     TransformerEngine's when it is importable."""
+    cuda_graphs: bool = False
+    """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
+    launch overhead that dominates at small micro-batches. Every micro-batch is padded to
+    packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
+    or context parallelism and no activation checkpointing."""
 
 
 class LearnerConfig(Section):
@@ -323,6 +328,16 @@ class Config(Section):
                     f"learner.num_gpus ({world}) must be a multiple of tensor_parallel_size * "
                     f"pipeline_parallel_size * context_parallel_size ({model_parallel})"
                 )
+            if mc.cuda_graphs:
+                off = [f"{k}={getattr(mc, k)}" for k, ok in (
+                    ("tensor_parallel_size", mc.tensor_parallel_size == 1),
+                    ("pipeline_parallel_size", mc.pipeline_parallel_size == 1),
+                    ("context_parallel_size", mc.context_parallel_size == 1),
+                    ("activation_checkpointing", not mc.activation_checkpointing),
+                    ("attention", mc.attention == "flex")) if not ok]
+                if off:
+                    raise ValueError(f"learner.megatron.cuda_graphs needs attention=flex, no tensor/pipeline/context "
+                                     f"parallelism and no activation checkpointing; got {', '.join(off)}")
             need = 2 * mc.context_parallel_size * (mc.tensor_parallel_size if mc.sequence_parallel else 1)
             if mc.context_parallel_size > 1 and self.packing.pad_multiple % need:
                 raise ValueError(

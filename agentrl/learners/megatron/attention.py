@@ -25,7 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-__all__ = ["PackedAttentionParams", "PackedCoreAttention", "apply_rope", "make_packed_params"]
+__all__ = ["PackedAttentionParams", "PackedCoreAttention", "apply_rope", "document_block_mask", "make_packed_params"]
 
 _COMPILED: dict[str, Any] = {}
 
@@ -68,7 +68,8 @@ def _compiled(name: str, fn: Any) -> Any:
     return _COMPILED[name]
 
 
-def _document_block_mask(params: PackedAttentionParams, t: int, device: torch.device) -> Any:
+def document_block_mask(params: PackedAttentionParams, t: int, device: torch.device) -> Any:
+    """The micro-batch's document-causal ``BlockMask`` over ``t`` packed tokens (made once, cached)."""
     from agentrl.learners.megatron.cp_attention import document_causal_block_mask
 
     if "block_mask" not in params.cache:
@@ -79,6 +80,7 @@ def _document_block_mask(params: PackedAttentionParams, t: int, device: torch.de
         # compile (a fresh H200 spent ~160 s compiling one graph of the first 16k forward, most
         # likely that builder; compiled FlexAttention fwd+bwd alone took 9 s there).
         params.cache["block_mask"] = document_causal_block_mask(doc_start, pos, t)
+        params.cache["mask_rows"] = (doc_start.to(torch.int32), pos.to(torch.int32))  # the mask_mod's inputs
     return params.cache["block_mask"]
 
 
@@ -137,7 +139,7 @@ class PackedCoreAttention(MegatronModule):
         from torch.nn.attention.flex_attention import flex_attention
 
         t = q.shape[0]
-        mask = _document_block_mask(p, t, q.device)
+        mask = document_block_mask(p, t, q.device)
         fn = _compiled("flex", flex_attention) if q.is_cuda else flex_attention
         # [t, h, d] -> [1, h, t, d]; the head dim stays contiguous, as the kernel wants.
         out = fn(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),

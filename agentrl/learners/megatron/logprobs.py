@@ -30,8 +30,8 @@ def _chunk_logits(h: Tensor, w: Tensor, vocab_start: int, real_vocab: int, tempe
 def _dlogits(logits: Tensor, lse: Tensor, local: Tensor, inside: Tensor, temperature: float) -> Tensor:
     """d logp / d logits = (onehot(label) - softmax) / temperature, float32; consumes ``logits``."""
     d = logits.sub_(lse[:, None]).exp_().neg_()
-    rows = torch.nonzero(inside).squeeze(1)
-    d[rows, local[rows]] += 1.0
+    # scatter, not nonzero(): no host sync in the middle of the pass
+    d.scatter_add_(1, local.clamp(0, d.shape[1] - 1)[:, None], inside[:, None].to(d.dtype))
     return d.div_(temperature) if temperature != 1.0 else d
 
 
@@ -72,17 +72,23 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         hidden, weight, labels, lse, grad_logits = ctx.saved_tensors
         vocab_start, real_vocab, temperature, chunk_size = ctx.args
         v_local = weight.shape[0]
+        if grad_logits is not None:
+            # Whole-sequence GEMMs over the kept d logp / d logits (scaled in place: backward runs
+            # once); the GEMM accumulates over tokens in float32, no float32 [V, H] buffer or cast.
+            if getattr(ctx, "consumed", False):
+                raise RuntimeError("vocab_parallel_logprobs(keep_grad_logits=True) supports one backward pass")
+            ctx.consumed = True
+            d = grad_logits.mul_(grad_out[:, None].to(grad_logits.dtype))  # [T, V_local]
+            return (d @ weight if ctx.needs_input_grad[0] else None,
+                    d.t() @ hidden if ctx.needs_input_grad[1] else None, *([None] * 7))
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk_size):
             e = min(s + chunk_size, hidden.shape[0])
-            if grad_logits is not None:
-                d = grad_logits[s:e] * grad_out[s:e, None].to(weight.dtype)
-            else:
-                logits = _chunk_logits(hidden[s:e], weight, vocab_start, real_vocab, temperature)
-                local = labels[s:e] - vocab_start
-                inside = (local >= 0) & (local < v_local)
-                d = (_dlogits(logits, lse[s:e], local, inside, temperature) * grad_out[s:e, None]).to(weight.dtype)
+            logits = _chunk_logits(hidden[s:e], weight, vocab_start, real_vocab, temperature)
+            local = labels[s:e] - vocab_start
+            inside = (local >= 0) & (local < v_local)
+            d = (_dlogits(logits, lse[s:e], local, inside, temperature) * grad_out[s:e, None]).to(weight.dtype)
             if grad_h is not None:
                 grad_h[s:e] = d @ weight
             if grad_w is not None:
