@@ -21,7 +21,20 @@ from torch import Tensor
 
 from agentrl.learners.megatron.attention import PackedAttentionParams, document_block_mask
 
-__all__ = ["DecoderGraphs"]
+__all__ = ["DecoderGraphs", "use_capture_stream"]
+
+
+def use_capture_stream(device: torch.device | None = None) -> torch.cuda.Stream:
+    """Run all work of this process, and every graph capture, on one side stream.
+
+    Call before Megatron DDP is built: DDP keeps the parameters' AccumulateGrad nodes alive, and
+    a node made on the legacy default stream breaks the backward capture ("operation would make
+    the legacy stream depend on a capturing blocking stream").
+    """
+    stream = torch.cuda.Stream(device)
+    torch.cuda.set_stream(stream)
+    torch.cuda.graph.default_capture_stream = stream
+    return stream
 
 
 class _DecoderCall(torch.nn.Module):
@@ -50,8 +63,10 @@ class _DecoderCall(torch.nn.Module):
 class DecoderGraphs:
     """Replays ``model.decoder`` as CUDA graphs, one per micro-batch length (see module doc).
 
-    Example (on a GPU, after the model and Megatron DDP are built)::
+    Example (on a GPU)::
 
+        use_capture_stream()            # before Megatron DDP is built
+        ...                             # model, DDP, optimizer
         graphs = DecoderGraphs(model)   # patches model.decoder.forward
         out = ddp(input_ids, position_ids, None, labels=labels, packed_seq_params=params)
     """

@@ -91,6 +91,10 @@ class MegatronLearner:
         mcfg = cfg.learner.megatron
         self.device = init_distributed(rank=rank, world_size=world_size, local_rank=local_rank,
                                        master_addr=master_addr, master_port=master_port)
+        if mcfg.cuda_graphs:
+            from agentrl.learners.megatron.graphs import use_capture_stream
+
+            use_capture_stream(self.device)
         self.layout = init_parallel_state(mcfg, seed=cfg.seed)
         torch.manual_seed(cfg.seed + self.layout.pp_rank)
         self.model_path = Path(model_path or cfg.model.path)
