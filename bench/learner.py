@@ -11,7 +11,8 @@ the optimizer step is amortized over many micro-batches and left out) on a packe
 * ``megatron/<attention>+<options>``: the Megatron learner's model with the project's core
   attention, fed by the learner's own micro-batch builder; options ``keep`` (kept d logp/d logits),
   ``graphs`` (the decoder replayed as CUDA graphs, `DecoderGraphs`), ``bf16grad``
-  (``learner.megatron.grad_reduce_in_fp32=false``: bf16 main grads). For each variant the run also
+  (``learner.megatron.grad_reduce_in_fp32=false``: bf16 main grads), ``gaf`` (gradient-accumulation
+  fusion: the weight-gradient GEMMs add into main_grad, `wgrad.py`). For each variant the run also
   records the logprob sum, the max logprob difference to the first variant and the gradient norm
   of one pass from zero gradients (same weights in every learner).
 
@@ -198,6 +199,11 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
             write()
     print("peak memory GiB", torch.cuda.max_memory_allocated() / 2**30, flush=True)
     if train_check and box["learner"] is not None:
+        from agentrl.learners.megatron.wgrad import set_grad_accum_fusion
+
+        set_grad_accum_fusion(box["learner"].model, False)  # the learner's own wgrad path
+        if box["learner"].graphs is not None:
+            box["learner"].graphs.reset()
         try:
             _train_check(box["learner"], checks)
         except Exception as e:  # noqa: BLE001
@@ -210,6 +216,7 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
 
 def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) -> None:
     from agentrl.learners.megatron.graphs import DecoderGraphs
+    from agentrl.learners.megatron.wgrad import set_grad_accum_fusion
     from agentrl.packing import pack_sequences
 
     attention, *options = variant.split("+")
@@ -228,6 +235,12 @@ def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) 
         if box["state"] is None:
             box["state"] = {k: v.detach().cpu() for k, v in learner.model.state_dict().items() if torch.is_tensor(v)}
     learner.model.keep_grad_logits = "keep" in options
+    gaf = "gaf" in options
+    if getattr(learner, "_bench_gaf", False) != gaf:
+        set_grad_accum_fusion(learner.model, gaf)
+        learner._bench_gaf = gaf
+        if learner.graphs is not None:  # graphs captured with the other wgrad path
+            learner.graphs.reset()
     if "graphs" in options and learner.graphs is None:
         learner.graphs = DecoderGraphs(learner.model)
     if learner.graphs is not None:
@@ -244,6 +257,7 @@ def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) 
             lp.sum().backward()
             return lp
 
+        step()  # first call: compiles, and captures graphs (whose warm-up passes may add to main_grad)
         learner.ddp.zero_grad_buffer()  # agreement: logprobs and grad norm of one pass from zero grads
         lp = step().detach()
         check = {"backend": f"megatron/{variant}", "case": case, "lp_sum": float(lp.sum()),
@@ -269,10 +283,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--variants", default="flex+keep,flex+keep+bf16grad,flex+keep+graphs+bf16grad",
+    ap.add_argument("--variants", default="flex+keep,flex+keep+gaf,flex+keep+bf16grad,flex+keep+bf16grad+gaf,"
+                    "flex+keep+graphs+bf16grad,flex+keep+graphs+bf16grad+gaf",
                     help="Megatron variants: core attention (flex, sdpa) and options: '+keep' keeps d logp/d logits "
                          "(no recompute), '+graphs' replays the decoder as CUDA graphs, '+bf16grad' "
-                         "learner.megatron.grad_reduce_in_fp32=false")
+                         "learner.megatron.grad_reduce_in_fp32=false, '+gaf' gradient-accumulation fusion (wgrad.py)")
     ap.add_argument("--profile", default=None, help="write a kernel table of the last variant at 4k here")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--train-check", action="store_true", help="then train_step eager vs cuda_graphs (loss, grad norm)")
