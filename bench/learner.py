@@ -12,7 +12,8 @@ the optimizer step is amortized over many micro-batches and left out) on a packe
   attention, fed by the learner's own micro-batch builder; options ``keep`` (kept d logp/d logits),
   ``graphs`` (the decoder replayed as CUDA graphs, `DecoderGraphs`), ``bf16grad``
   (``learner.megatron.grad_reduce_in_fp32=false``: bf16 main grads), ``gaf`` (gradient-accumulation
-  fusion: the weight-gradient GEMMs add into main_grad, `wgrad.py`). For each variant the run also
+  fusion: the weight-gradient GEMMs add into main_grad, `wgrad.py`), ``kvrep`` (K/V repeated to the
+  query heads before FlexAttention, ``PackedCoreAttention.expand_kv``). For each variant the run also
   records the logprob sum, the max logprob difference to the first variant and the gradient norm
   of one pass from zero gradients (same weights in every learner).
 
@@ -201,7 +202,9 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
     if train_check and box["learner"] is not None:
         from agentrl.learners.megatron.wgrad import set_grad_accum_fusion
 
-        set_grad_accum_fusion(box["learner"].model, False)  # the learner's own wgrad path
+        set_grad_accum_fusion(box["learner"].model, False)  # the learner's defaults: own wgrad path, GQA kernel
+        for layer in box["learner"].model.decoder.layers:
+            layer.self_attention.core_attention.expand_kv = False
         if box["learner"].graphs is not None:
             box["learner"].graphs.reset()
         try:
@@ -235,11 +238,17 @@ def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) 
         if box["state"] is None:
             box["state"] = {k: v.detach().cpu() for k, v in learner.model.state_dict().items() if torch.is_tensor(v)}
     learner.model.keep_grad_logits = "keep" in options
-    gaf = "gaf" in options
+    gaf, kvrep = "gaf" in options, "kvrep" in options
     if getattr(learner, "_bench_gaf", False) != gaf:
         set_grad_accum_fusion(learner.model, gaf)
         learner._bench_gaf = gaf
         if learner.graphs is not None:  # graphs captured with the other wgrad path
+            learner.graphs.reset()
+    if getattr(learner, "_bench_kvrep", False) != kvrep:
+        for layer in learner.model.decoder.layers:
+            layer.self_attention.core_attention.expand_kv = kvrep
+        learner._bench_kvrep = kvrep
+        if learner.graphs is not None:
             learner.graphs.reset()
     if "graphs" in options and learner.graphs is None:
         learner.graphs = DecoderGraphs(learner.model)
@@ -283,11 +292,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--variants", default="flex+keep,flex+keep+gaf,flex+keep+bf16grad,flex+keep+bf16grad+gaf,"
-                    "flex+keep+graphs+bf16grad,flex+keep+graphs+bf16grad+gaf",
+    ap.add_argument("--variants", default="flex+keep,flex+keep+graphs,flex+keep+graphs+kvrep,flex+keep+graphs+bf16grad,"
+                    "flex+keep+graphs+bf16grad+kvrep",
                     help="Megatron variants: core attention (flex, sdpa) and options: '+keep' keeps d logp/d logits "
                          "(no recompute), '+graphs' replays the decoder as CUDA graphs, '+bf16grad' "
-                         "learner.megatron.grad_reduce_in_fp32=false, '+gaf' gradient-accumulation fusion (wgrad.py)")
+                         "learner.megatron.grad_reduce_in_fp32=false, '+gaf' gradient-accumulation fusion (wgrad.py), "
+                         "'+kvrep' K/V repeated to the query heads before FlexAttention")
     ap.add_argument("--profile", default=None, help="write a kernel table of the last variant at 4k here")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--train-check", action="store_true", help="then train_step eager vs cuda_graphs (loss, grad norm)")

@@ -99,6 +99,10 @@ class PackedCoreAttention(MegatronModule):
         if backend not in ("flex", "sdpa"):
             raise ValueError(f"learner.megatron.attention: unknown core attention '{backend}'")
         self.backend = backend
+        # FlexAttention backward with GQA runs one dK/dV program per KV head and block, each looping
+        # over the query heads that share it: few, long programs at a few thousand tokens. With
+        # expand_kv, K/V are repeated to the query heads first (exact; the repeat's backward sums).
+        self.expand_kv = False
         self.layer_number = layer_number
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -141,6 +145,8 @@ class PackedCoreAttention(MegatronModule):
         t = q.shape[0]
         mask = document_block_mask(p, t, q.device)
         fn = _compiled("flex", flex_attention) if q.is_cuda else flex_attention
+        if self.expand_kv and k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         # [t, h, d] -> [1, h, t, d]; the head dim stays contiguous, as the kernel wants.
         out = fn(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                  v.transpose(0, 1).unsqueeze(0), block_mask=mask, scale=self.softmax_scale,

@@ -14,6 +14,7 @@ other lengths than the captured ones (at most ``max_graphs``) run eagerly.
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import torch
@@ -117,3 +118,5 @@ class DecoderGraphs:
         """Drop the captured graphs (their memory pools are freed with them)."""
         self.graphed.clear()
         self.fused.clear()
+        gc.collect()  # the graphed callables sit in reference cycles: free their pools now
+        torch.cuda.empty_cache()
