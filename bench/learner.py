@@ -13,7 +13,8 @@ the optimizer step is amortized over many micro-batches and left out) on a packe
   ``graphs`` (the decoder replayed as CUDA graphs, `DecoderGraphs`), ``bf16grad``
   (``learner.megatron.grad_reduce_in_fp32=false``: bf16 main grads), ``gaf`` (gradient-accumulation
   fusion: the weight-gradient GEMMs add into main_grad, `wgrad.py`), ``kvrep`` (K/V repeated to the
-  query heads before FlexAttention, ``PackedCoreAttention.expand_kv``). For each variant the run also
+  query heads before FlexAttention, ``PackedCoreAttention.expand_kv``), ``fhead`` (the logprob head's
+  softmax work as compiled one-pass kernels, ``vocab_parallel_logprobs(fused=True)``). For each variant the run also
   records the logprob sum, the max logprob difference to the first variant and the gradient norm
   of one pass from zero gradients (same weights in every learner).
 
@@ -145,13 +146,15 @@ def _build_megatron(grad_fp32: bool, state: dict | None):
 
 
 def _train_check(learner, rows: list[dict]) -> None:
-    """train_step (recompute pass + fwd/bwd + Adam) on 16k tokens, eager vs cuda_graphs, same weights."""
+    """train_step (recompute pass + fwd/bwd + Adam) on 15k tokens in 2 micro-batches of <= 8192, eager vs
+    cuda_graphs, same weights (a 16k-token graph and Adam's state do not fit together in 80 GB)."""
     from agentrl.learners.megatron.graphs import DecoderGraphs
     from agentrl.trajectory import Trajectory, TrajectoryGroup
 
     g = torch.Generator().manual_seed(2)
     trajs = []
-    for i, n in enumerate((4096, 4096, 3072, 2048, 2048)):  # 15360 tokens: padded to 16384 by the graphs
+    learner.cfg.packing.max_tokens_per_microbatch = 8192
+    for i, n in enumerate((4096, 4096, 3072, 2048, 2048)):  # 8192 + 7168 tokens: both 8192 under graphs
         p = n // 5
         trajs.append(Trajectory(token_ids=torch.randint(0, QWEN25_15B["vocab_size"], (n,), generator=g).tolist(),
                                 loss_mask=[0] * p + [1] * (n - p),
@@ -205,6 +208,7 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
         set_grad_accum_fusion(box["learner"].model, False)  # the learner's defaults: own wgrad path, GQA kernel
         for layer in box["learner"].model.decoder.layers:
             layer.self_attention.core_attention.expand_kv = False
+        box["learner"].model.keep_grad_logits = box["learner"].model.fused_logprobs = False
         if box["learner"].graphs is not None:
             box["learner"].graphs.reset()
         try:
@@ -238,6 +242,7 @@ def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) 
         if box["state"] is None:
             box["state"] = {k: v.detach().cpu() for k, v in learner.model.state_dict().items() if torch.is_tensor(v)}
     learner.model.keep_grad_logits = "keep" in options
+    learner.model.fused_logprobs = "fhead" in options
     gaf, kvrep = "gaf" in options, "kvrep" in options
     if getattr(learner, "_bench_gaf", False) != gaf:
         set_grad_accum_fusion(learner.model, gaf)
@@ -292,12 +297,13 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--variants", default="flex+keep,flex+keep+graphs,flex+keep+graphs+kvrep,flex+keep+graphs+bf16grad,"
-                    "flex+keep+graphs+bf16grad+kvrep",
+    ap.add_argument("--variants", default="flex+keep,flex+keep+fhead,flex+keep+graphs+kvrep,flex+keep+graphs+kvrep+fhead,"
+                    "flex+keep+graphs+bf16grad+kvrep,flex+keep+graphs+bf16grad+kvrep+fhead",
                     help="Megatron variants: core attention (flex, sdpa) and options: '+keep' keeps d logp/d logits "
                          "(no recompute), '+graphs' replays the decoder as CUDA graphs, '+bf16grad' "
                          "learner.megatron.grad_reduce_in_fp32=false, '+gaf' gradient-accumulation fusion (wgrad.py), "
-                         "'+kvrep' K/V repeated to the query heads before FlexAttention")
+                         "'+kvrep' K/V repeated to the query heads before FlexAttention, '+fhead' fused (compiled) "
+                         "logprob head")
     ap.add_argument("--profile", default=None, help="write a kernel table of the last variant at 4k here")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--train-check", action="store_true", help="then train_step eager vs cuda_graphs (loss, grad norm)")

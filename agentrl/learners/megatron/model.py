@@ -159,6 +159,7 @@ class AgentGPTModel(GPTModel):
         self.temperature = 1.0
         self.chunk_size = 1024
         self.keep_grad_logits = False  # see logprobs.vocab_parallel_logprobs
+        self.fused_logprobs = False  # likewise (fused=)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, packed_seq_params: PackedAttentionParams | None = None,
@@ -193,7 +194,8 @@ class AgentGPTModel(GPTModel):
             hidden, weight, labels.reshape(-1),
             group=tp_group if tp_group.size() > 1 else None,
             vocab_start=tp_group.rank() * v_local, real_vocab=self.real_vocab,
-            temperature=self.temperature, chunk_size=self.chunk_size, keep_grad_logits=self.keep_grad_logits)
+            temperature=self.temperature, chunk_size=self.chunk_size, keep_grad_logits=self.keep_grad_logits,
+            fused=self.fused_logprobs)
 
 
 def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
