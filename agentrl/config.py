@@ -213,7 +213,19 @@ class MegatronConfig(Section):
     """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
     launch overhead that dominates at small micro-batches. Every micro-batch is padded to
     packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
-    or context parallelism and no activation checkpointing."""
+    or context parallelism and no activation checkpointing. The graph's activations stay
+    allocated between steps."""
+    keep_grad_logits: bool = False
+    """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
+    the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
+    and a 152k vocabulary)."""
+    fused_logprobs: bool = False
+    """Make the logprob head's softmax work (logsumexp, label logprob, d logp / d logits) with
+    compiled one-pass kernels over the bf16 logits instead of float32 chunk tensors. Same math,
+    another reduction order; no effect under tensor parallelism or with float32 weights."""
+    flex_expand_kv: bool = False
+    """attention=flex with grouped-query attention: repeat K/V to the query heads before
+    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch."""
 
 
 class LearnerConfig(Section):

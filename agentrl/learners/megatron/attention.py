@@ -94,7 +94,7 @@ class PackedCoreAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any,
                  attention_type: str, attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
-                 pg_collection: Any = None, backend: str = "flex") -> None:
+                 pg_collection: Any = None, backend: str = "flex", expand_kv: bool = False) -> None:
         super().__init__(config=config)
         if backend not in ("flex", "sdpa"):
             raise ValueError(f"learner.megatron.attention: unknown core attention '{backend}'")
@@ -102,7 +102,7 @@ class PackedCoreAttention(MegatronModule):
         # FlexAttention backward with GQA runs one dK/dV program per KV head and block, each looping
         # over the query heads that share it: few, long programs at a few thousand tokens. With
         # expand_kv, K/V are repeated to the query heads first (exact; the repeat's backward sums).
-        self.expand_kv = False
+        self.expand_kv = expand_kv
         self.layer_number = layer_number
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:

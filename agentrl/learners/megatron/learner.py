@@ -136,6 +136,8 @@ class MegatronLearner:
                             perform_initialization=True).to(self.device)
         model.temperature = self.cfg.rollout.temperature or 1.0
         model.chunk_size = self.cfg.packing.logprob_chunk_size
+        model.keep_grad_logits = mcfg.keep_grad_logits
+        model.fused_logprobs = mcfg.fused_logprobs
         return model
 
     @property

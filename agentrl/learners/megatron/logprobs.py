@@ -90,7 +90,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         tp = dist.get_world_size(group) if group is not None else 1
         keep = keep_grad_logits and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         grad_logits = torch.empty(t, v_local, dtype=weight.dtype, device=hidden.device) if keep else None
-        fused = fused and tp == 1 and weight.dtype != torch.float32
+        fused = fused and tp == 1 and weight.dtype in (torch.bfloat16, torch.float16)
         ctx.args = (vocab_start, real_vocab, temperature, chunk_size, fused)
         if fused:
             stats = _fused("stats", _fused_stats, hidden.is_cuda)

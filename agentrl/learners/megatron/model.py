@@ -102,7 +102,7 @@ def transformer_config(shape: ModelShape, mcfg: Any, *, dtype: torch.dtype = tor
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(shape: ModelShape, attention: str) -> ModuleSpec:
+def layer_spec(shape: ModelShape, attention: str, expand_kv: bool = False) -> ModuleSpec:
     """Transformer-layer spec: Megatron's local spec with the project's attention and norms."""
     if attention == "te":
         if not _te_available():
@@ -118,7 +118,7 @@ def layer_spec(shape: ModelShape, attention: str) -> ModuleSpec:
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules
-    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"backend": attention})
+    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"backend": attention, "expand_kv": expand_kv})
     if shape.qk_norm:
         attn.q_layernorm = RMSNorm
         attn.k_layernorm = RMSNorm
@@ -207,7 +207,7 @@ def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dt
     if shape.num_kv_heads % tp:
         raise ValueError(f"learner.megatron.tensor_parallel_size ({tp}) must divide the number of KV heads "
                          f"({shape.num_kv_heads})")
-    spec: Any = layer_spec(shape, mcfg.attention)
+    spec: Any = layer_spec(shape, mcfg.attention, expand_kv=getattr(mcfg, "flex_expand_kv", False))
     if mcfg.attention != "te":
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(cfg), layer_norm=RMSNorm)
     inv_freq, scale = rope_inv_freq(hf_config)
