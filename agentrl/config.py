@@ -213,6 +213,23 @@ class MegatronConfig(Section):
     attention: Literal["flex", "sdpa", "te"] = "flex"
     """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
     TransformerEngine's when it is importable."""
+    cuda_graphs: bool = False
+    """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
+    launch overhead that dominates at small micro-batches. Every micro-batch is padded to
+    packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
+    or context parallelism and no activation checkpointing. The graph's activations stay
+    allocated between steps."""
+    keep_grad_logits: bool = False
+    """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
+    the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
+    and a 152k vocabulary)."""
+    fused_logprobs: bool = False
+    """Make the logprob head's softmax work (logsumexp, label logprob, d logp / d logits) with
+    compiled one-pass kernels over the bf16 logits instead of float32 chunk tensors. Same math,
+    another reduction order; no effect under tensor parallelism or with float32 weights."""
+    flex_expand_kv: bool = False
+    """attention=flex with grouped-query attention: repeat K/V to the query heads before
+    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch."""
 
 
 class LearnerConfig(Section):
@@ -327,6 +344,16 @@ class Config(Section):
                     f"learner.num_gpus ({world}) must be a multiple of tensor_parallel_size * "
                     f"pipeline_parallel_size * context_parallel_size ({model_parallel})"
                 )
+            if mc.cuda_graphs:
+                off = [f"{k}={getattr(mc, k)}" for k, ok in (
+                    ("tensor_parallel_size", mc.tensor_parallel_size == 1),
+                    ("pipeline_parallel_size", mc.pipeline_parallel_size == 1),
+                    ("context_parallel_size", mc.context_parallel_size == 1),
+                    ("activation_checkpointing", not mc.activation_checkpointing),
+                    ("attention", mc.attention == "flex")) if not ok]
+                if off:
+                    raise ValueError(f"learner.megatron.cuda_graphs needs attention=flex, no tensor/pipeline/context "
+                                     f"parallelism and no activation checkpointing; got {', '.join(off)}")
             need = 2 * mc.context_parallel_size * (mc.tensor_parallel_size if mc.sequence_parallel else 1)
             if mc.context_parallel_size > 1 and self.packing.pad_multiple % need:
                 raise ValueError(

@@ -8,8 +8,15 @@ the optimizer step is amortized over many micro-batches and left out) on a packe
 * ``torch/hf-sdpa``: HF transformers with SDPA on the documents as a [n_docs, 4096] batch (the
   reference figure's setup); ``torch/packed``: the torch learner's own path
   (``hf_forward.packed_token_logprobs``, FlexAttention document mask).
-* ``megatron/flex`` and ``megatron/sdpa``: the Megatron learner's model with the project's core
-  attention, fed by the learner's own micro-batch builder.
+* ``megatron/<attention>+<options>``: the Megatron learner's model with the project's core
+  attention, fed by the learner's own micro-batch builder; options ``keep`` (kept d logp/d logits),
+  ``graphs`` (the decoder replayed as CUDA graphs, `DecoderGraphs`), ``bf16grad``
+  (``learner.megatron.grad_reduce_in_fp32=false``: bf16 main grads), ``gaf`` (gradient-accumulation
+  fusion: the weight-gradient GEMMs add into main_grad, `wgrad.py`), ``kvrep`` (K/V repeated to the
+  query heads before FlexAttention, ``PackedCoreAttention.expand_kv``), ``fhead`` (the logprob head's
+  softmax work as compiled one-pass kernels, ``vocab_parallel_logprobs(fused=True)``). For each variant the run also
+  records the logprob sum, the max logprob difference to the first variant and the gradient norm
+  of one pass from zero gradients (same weights in every learner).
 
 MFU counts 6*N + 6*L*h*s FLOPs per token (N all parameters, tied embedding once; s the document
 length) against 796 TFLOP/s, the measured bf16 matmul peak of the H100.
@@ -119,66 +126,217 @@ def _profile(step, path: str | None) -> None:
             f.write(table)
 
 
-def bench_megatron(rows: list[dict], iters: int, attentions: list[str], profile_path: str | None = None) -> None:
+def _grad_norm(learner) -> float:
+    return float(torch.sqrt(sum(b.grad_data.float().pow(2).sum() for b in learner.ddp.buffers)))
+
+
+def _build_megatron(grad_fp32: bool, state: dict | None):
     from transformers import Qwen2Config
 
     from agentrl.config import load_config
     from agentrl.learners.megatron.learner import MegatronLearner
-    from agentrl.packing import pack_sequences
 
     cfg = load_config(None, ["learner.backend=megatron", "learner.num_gpus=1", "model.dtype=bfloat16",
                              "packing.max_tokens_per_microbatch=16384", "rollout.max_total_tokens=4096",
-                             "engine.max_model_len=4096"])
+                             "engine.max_model_len=4096", f"learner.megatron.grad_reduce_in_fp32={grad_fp32}"])
     learner = MegatronLearner(cfg, hf_config=Qwen2Config(**QWEN25_15B))
-    layers = learner.model.decoder.layers
-    for variant in attentions:
-        attention, _, option = variant.partition("+")
-        learner.model.keep_grad_logits = option == "keep"
-        for layer in layers:
-            layer.self_attention.core_attention.backend = attention
-        for case, n in CASES.items():
-            packed = pack_sequences(_docs(n, 1))
+    if state is not None:  # the same weights in every learner of the run
+        learner.model.load_state_dict(state)
+    return learner
 
-            def step(packed=packed) -> None:
-                mb = learner._microbatch(packed)
-                out = learner.ddp(mb.input_ids, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.params)
-                learner._token_logprobs(mb, out).sum().backward()
 
-            rows.append({"backend": f"megatron/{variant}", "case": case, "tokens": n * DOC, "s": _time(step, iters)})
-            if profile_path and case == "4k" and variant == attentions[0]:
-                _profile(step, profile_path)
-            learner.ddp.zero_grad_buffer()
-            print(rows[-1], flush=True)
+def _train_check(learner, rows: list[dict]) -> None:
+    """train_step (recompute pass + fwd/bwd + Adam) on 15k tokens in 2 micro-batches of <= 8192, eager vs
+    cuda_graphs, same weights (a 16k-token graph and Adam's state do not fit together in 80 GB)."""
+    from agentrl.learners.megatron.graphs import DecoderGraphs
+    from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+    g = torch.Generator().manual_seed(2)
+    trajs = []
+    learner.cfg.packing.max_tokens_per_microbatch = 8192
+    for i, n in enumerate((4096, 4096, 3072, 2048, 2048)):  # 8192 + 7168 tokens: both 8192 under graphs
+        p = n // 5
+        trajs.append(Trajectory(token_ids=torch.randint(0, QWEN25_15B["vocab_size"], (n,), generator=g).tolist(),
+                                loss_mask=[0] * p + [1] * (n - p),
+                                behavior_logprobs=[0.0] * p + (-8 - 4 * torch.rand(n - p, generator=g)).tolist(),
+                                policy_versions=[-1] * p + [0] * (n - p), turn_spans=[(p, n)],
+                                turn_rewards=[float(i % 2)]))
+    groups = [TrajectoryGroup(task_id="t0", trajectories=trajs, group_id=0)]
+    state = {k: v.detach().clone() for k, v in learner.model.state_dict().items() if torch.is_tensor(v)}
+    mcfg = learner.cfg.learner.megatron
+    for graphs in (False, True, True):
+        learner.model.load_state_dict(state, strict=False)
+        mcfg.cuda_graphs = graphs
+        if graphs and learner.graphs is None:
+            learner.graphs = DecoderGraphs(learner.model)
+        if learner.graphs is not None:
+            learner.graphs.enabled = graphs
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        m = learner.train_step(groups)
+        torch.cuda.synchronize()
+        rows.append({"check": "train_step", "cuda_graphs": graphs, "loss": m["train/loss"],
+                     "grad_norm": m["train/grad_norm"], "s": time.perf_counter() - t0})
+        print(_stamp(), rows[-1], flush=True)
+    mcfg.cuda_graphs = False
+
+
+def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: list[str],
+                   profile_path: str | None = None, write=lambda: None, train_check: bool = False) -> None:
+    from agentrl.learners.megatron.graphs import use_capture_stream
+
+    use_capture_stream()  # every variant on the same side stream, built before DDP (what cuda_graphs does)
+    box: dict = {"learner": None, "state": None}  # the learner lives here only: a rebuild frees it
+    ref: dict = {}
+    for variant in variants:
+        try:
+            _bench_variant(box, ref, rows, checks, iters, variant,
+                           profile_path if variant == variants[-1] else None, write)
+        except Exception as e:  # noqa: BLE001 -- record it, go on with the next variant
+            import traceback
+
+            traceback.print_exc()
+            checks.append({"backend": f"megatron/{variant}", "error": repr(e)[:2000]})
+            if box["learner"] is not None and box["learner"].graphs is not None:
+                box["learner"].graphs.enabled = False
+            torch.cuda.empty_cache()
+            write()
     print("peak memory GiB", torch.cuda.max_memory_allocated() / 2**30, flush=True)
+    if train_check and box["learner"] is not None:
+        from agentrl.learners.megatron.wgrad import set_grad_accum_fusion
+
+        set_grad_accum_fusion(box["learner"].model, False)  # the learner's defaults: own wgrad path, GQA kernel
+        for layer in box["learner"].model.decoder.layers:
+            layer.self_attention.core_attention.expand_kv = False
+        box["learner"].model.keep_grad_logits = box["learner"].model.fused_logprobs = False
+        if box["learner"].graphs is not None:
+            box["learner"].graphs.reset()
+        try:
+            _train_check(box["learner"], checks)
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            checks.append({"check": "train_step", "error": repr(e)[:2000]})
+        write()
+
+
+def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) -> None:
+    from agentrl.learners.megatron.graphs import DecoderGraphs
+    from agentrl.learners.megatron.wgrad import set_grad_accum_fusion
+    from agentrl.packing import pack_sequences
+
+    attention, *options = variant.split("+")
+    grad_fp32 = "bf16grad" not in options
+    learner = box["learner"]
+    if learner is None or learner.cfg.learner.megatron.grad_reduce_in_fp32 != grad_fp32:
+        if learner is not None:
+            if learner.graphs is not None:
+                learner.graphs.reset()
+            box["learner"] = learner = None
+            gc.collect()
+            torch.cuda.empty_cache()
+        learner = box["learner"] = _build_megatron(grad_fp32, box["state"])
+        print(_stamp(), "built megatron learner, grad_reduce_in_fp32 =", grad_fp32,
+              f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB allocated", flush=True)
+        if box["state"] is None:
+            box["state"] = {k: v.detach().cpu() for k, v in learner.model.state_dict().items() if torch.is_tensor(v)}
+    learner.model.keep_grad_logits = "keep" in options
+    learner.model.fused_logprobs = "fhead" in options
+    gaf, kvrep = "gaf" in options, "kvrep" in options
+    if getattr(learner, "_bench_gaf", False) != gaf:
+        set_grad_accum_fusion(learner.model, gaf)
+        learner._bench_gaf = gaf
+        if learner.graphs is not None:  # graphs captured with the other wgrad path
+            learner.graphs.reset()
+    if getattr(learner, "_bench_kvrep", False) != kvrep:
+        for layer in learner.model.decoder.layers:
+            layer.self_attention.core_attention.expand_kv = kvrep
+        learner._bench_kvrep = kvrep
+        if learner.graphs is not None:
+            learner.graphs.reset()
+    if "graphs" in options and learner.graphs is None:
+        learner.graphs = DecoderGraphs(learner.model)
+    if learner.graphs is not None:
+        learner.graphs.enabled = "graphs" in options
+    for layer in learner.model.decoder.layers:
+        layer.self_attention.core_attention.backend = attention
+    for case, n in CASES.items():
+        packed = pack_sequences(_docs(n, 1))
+
+        def step(packed=packed, learner=learner) -> torch.Tensor:
+            mb = learner._microbatch(packed)
+            out = learner.ddp(mb.input_ids, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.params)
+            lp = learner._token_logprobs(mb, out)
+            lp.sum().backward()
+            return lp
+
+        step()  # first call: compiles, and captures graphs (whose warm-up passes may add to main_grad)
+        learner.ddp.zero_grad_buffer()  # agreement: logprobs and grad norm of one pass from zero grads
+        lp = step().detach()
+        check = {"backend": f"megatron/{variant}", "case": case, "lp_sum": float(lp.sum()),
+                 "grad_norm": _grad_norm(learner)}
+        if case in ref:
+            check["lp_max_diff_vs_first"] = float((lp - ref[case]).abs().max())
+        else:
+            ref[case] = lp
+        checks.append(check)
+        rows.append({"backend": f"megatron/{variant}", "case": case, "tokens": n * DOC, "s": _time(step, iters)})
+        learner.ddp.zero_grad_buffer()
+        print(_stamp(), rows[-1], check, flush=True)
+        write()
+        if profile_path and case == "4k":
+            _profile(step, profile_path)
+
+
+def _stamp() -> str:
+    return time.strftime("%H:%M:%S")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--attention", default="flex,sdpa,flex+keep",
-                    help="Megatron variants: core attention, '+keep' keeps d logp/d logits (no recompute)")
-    ap.add_argument("--profile", default=None, help="write a kernel table of the first variant at 4k here")
+    ap.add_argument("--variants", default="flex+keep,flex+keep+fhead,flex+keep+graphs+kvrep,flex+keep+graphs+kvrep+fhead,"
+                    "flex+keep+graphs+bf16grad+kvrep,flex+keep+graphs+bf16grad+kvrep+fhead",
+                    help="Megatron variants: core attention (flex, sdpa) and options: '+keep' keeps d logp/d logits "
+                         "(no recompute), '+graphs' replays the decoder as CUDA graphs, '+bf16grad' "
+                         "learner.megatron.grad_reduce_in_fp32=false, '+gaf' gradient-accumulation fusion (wgrad.py), "
+                         "'+kvrep' K/V repeated to the query heads before FlexAttention, '+fhead' fused (compiled) "
+                         "logprob head")
+    ap.add_argument("--profile", default=None, help="write a kernel table of the last variant at 4k here")
     ap.add_argument("--skip-torch", action="store_true")
+    ap.add_argument("--train-check", action="store_true", help="then train_step eager vs cuda_graphs (loss, grad norm)")
     args = ap.parse_args()
     t0 = time.time()
     rows: list[dict] = []
+    checks: list[dict] = []
     num_params = 1543714304  # Qwen2.5-1.5B shape, tied embedding counted once (what bench_torch counts)
+
+    def finish(final: bool = False) -> None:
+        base = {r["case"]: r for r in rows if r["backend"] == "torch/hf-sdpa"}
+        for r in rows:
+            r["tok_s"] = r["tokens"] / r["s"]
+            r["mfu"] = r["tok_s"] * flops_per_token(num_params, QWEN25_15B, DOC) / PEAK
+            r["speedup_vs_hf_sdpa"] = r["tok_s"] / base[r["case"]]["tok_s"] if r["case"] in base else float("nan")
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": torch.cuda.get_device_name(), "num_params": num_params, "rows": rows,
+                           "checks": checks, "complete": final}, f, indent=1)
+
+    print(_stamp(), torch.cuda.get_device_name(), flush=True)
     if not args.skip_torch:
         num_params = bench_torch(rows, args.iters)
-    bench_megatron(rows, args.iters, args.attention.split(","), args.profile)
-    base = {r["case"]: r for r in rows if r["backend"] == "torch/hf-sdpa"}
+        finish()
+    bench_megatron(rows, checks, args.iters, args.variants.split(","), args.profile, finish, args.train_check)
+    finish(final=True)
     print(f"\n{torch.cuda.get_device_name()}  N={num_params/1e9:.3f}B  ({time.time() - t0:.0f} s)")
-    print(f"{'backend':20s} {'case':5s} {'ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'vs hf-sdpa':>10s}")
+    print(f"{'backend':28s} {'case':5s} {'ms':>8s} {'tok/s':>9s} {'MFU':>6s} {'vs hf-sdpa':>10s}")
     for r in rows:
-        r["tok_s"] = r["tokens"] / r["s"]
-        r["mfu"] = r["tok_s"] * flops_per_token(num_params, QWEN25_15B, DOC) / PEAK
-        ratio = r["tok_s"] / base[r["case"]]["tok_s"] if r["case"] in base else float("nan")
-        r["speedup_vs_hf_sdpa"] = ratio
-        print(f"{r['backend']:20s} {r['case']:5s} {r['s']*1e3:8.1f} {r['tok_s']:9.0f} {r['mfu']*100:5.1f}% {ratio:9.2f}x")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "num_params": num_params, "rows": rows}, f, indent=1)
+        print(f"{r['backend']:28s} {r['case']:5s} {r['s']*1e3:8.1f} {r['tok_s']:9.0f} {r['mfu']*100:5.1f}% "
+              f"{r['speedup_vs_hf_sdpa']:9.2f}x")
+    for c in checks:
+        print(c)
 
 
 if __name__ == "__main__":

@@ -68,3 +68,13 @@ def test_every_shipped_config_parses(path):
 
 def test_there_are_shipped_configs():
     assert CONFIGS, "configs/ holds no YAML"
+
+
+def test_cuda_graphs_refuses_what_it_does_not_support():
+    base = ["learner.backend=megatron", "learner.num_gpus=2", "learner.megatron.cuda_graphs=true"]
+    load_config(None, base)  # TP = PP = CP = 1, flex: accepted
+    for bad, key in (("learner.megatron.tensor_parallel_size=2", "tensor_parallel_size=2"),
+                     ("learner.megatron.activation_checkpointing=true", "activation_checkpointing=True"),
+                     ("learner.megatron.attention=sdpa", "attention=sdpa")):
+        with pytest.raises(ConfigError, match=f"cuda_graphs.*{key}"):
+            load_config(None, [*base, bad])

@@ -250,13 +250,16 @@ def test_cp1_core_attention_block_mask_equals_dense_mask(lengths: list[int]) -> 
     cu = _cu(lengths)
     t = int(cu[-1])
     params = attention.make_packed_params(cu, max(lengths))
-    bm = attention._document_block_mask(params, t, torch.device("cpu"))
+    bm = attention.document_block_mask(params, t, torch.device("cpu"))
     assert params.cache["block_mask"] is bm  # built once per micro-batch
     doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     dense = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
     pos = torch.arange(t)
     grid = bm.mask_mod(None, None, pos[:, None], pos[None, :])
     assert torch.equal(grid, dense)
+    # the mask_mod's inputs, kept for the CUDA-graph path (graphs.DecoderGraphs rebuilds the mask from them)
+    q_start, q_global = params.cache["mask_rows"]
+    assert torch.equal(cp_attention.document_causal_mask_mod(q_start, q_global)(None, None, pos[:, None], pos[None, :]), dense)
     n = -(-t // 128)  # 128-token tiles: non-empty = any allowed pair, full = all allowed
     padded = torch.zeros(n * 128, n * 128, dtype=torch.bool)
     padded[:t, :t] = dense

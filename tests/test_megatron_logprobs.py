@@ -25,3 +25,25 @@ def test_matches_log_softmax_and_its_gradient(keep_grad_logits: bool, chunk_size
     for a, b in zip(got, want):
         assert (a - b).abs().max() < 1e-4 * b.abs().max()
     assert not got[1][20:].any()  # padding rows get no gradient
+
+
+@pytest.mark.parametrize("keep_grad_logits", [False, True])
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_fused_equals_unfused_in_bf16(keep_grad_logits: bool, temperature: float) -> None:
+    g = torch.Generator().manual_seed(3)
+    hidden = torch.randn(53, 32, generator=g).bfloat16()
+    weight = (0.3 * torch.randn(40, 32, generator=g)).bfloat16()  # 4 padding rows
+    labels = torch.randint(0, 36, (53,), generator=g)
+    up = torch.randn(53, generator=g)
+    results = []
+    for fused in (False, True):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp = vocab_parallel_logprobs(h, w, labels, real_vocab=36, temperature=temperature, chunk_size=16,
+                                     keep_grad_logits=keep_grad_logits, fused=fused)
+        (lp * up).sum().backward()
+        results.append((lp.detach(), h.grad.float(), w.grad.float()))
+    (lp0, gh0, gw0), (lp1, gh1, gw1) = results
+    assert (lp0 - lp1).abs().max() < 1e-5  # both score the same bf16 logits in float32
+    assert (gh0 - gh1).abs().max() <= 1e-2 * gh0.abs().max()  # bf16 rounding of the kept/scaled grads
+    assert (gw0 - gw1).abs().max() <= 1e-2 * gw0.abs().max()
+    assert not gw1[36:].any()  # padding rows get no gradient

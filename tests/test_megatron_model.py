@@ -144,3 +144,15 @@ def test_megatron_model_shards_load_and_gather_bit_exact(results: list[dict], fa
         assert r["lp_err"] < 1e-4  # float32 logits against a float64 reference
         assert r["fwd_err"] < 1e-4, r  # packed Megatron forward == HF per-document forward (fp32)
         assert r["grad_err"] < 1e-4, r
+
+
+def test_layer_spec_passes_flex_expand_kv() -> None:
+    from agentrl.config import MegatronConfig
+    from agentrl.learners.megatron.convert import ModelShape
+    from agentrl.learners.megatron.model import layer_spec
+
+    shape = ModelShape.from_hf_config(_tiny_hf()("qwen2", tied=True)[0])
+    for expand in (False, True):
+        mcfg = MegatronConfig(flex_expand_kv=expand)
+        spec = layer_spec(shape, mcfg.attention, expand_kv=mcfg.flex_expand_kv)
+        assert spec.submodules.self_attention.submodules.core_attention.params == {"backend": "flex", "expand_kv": expand}

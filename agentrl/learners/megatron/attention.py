@@ -25,7 +25,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-__all__ = ["PackedAttentionParams", "PackedCoreAttention", "apply_rope", "make_packed_params"]
+__all__ = ["PackedAttentionParams", "PackedCoreAttention", "apply_rope", "document_block_mask", "make_packed_params"]
 
 _COMPILED: dict[str, Any] = {}
 
@@ -68,7 +68,8 @@ def _compiled(name: str, fn: Any) -> Any:
     return _COMPILED[name]
 
 
-def _document_block_mask(params: PackedAttentionParams, t: int, device: torch.device) -> Any:
+def document_block_mask(params: PackedAttentionParams, t: int, device: torch.device) -> Any:
+    """The micro-batch's document-causal ``BlockMask`` over ``t`` packed tokens (made once, cached)."""
     from agentrl.learners.megatron.cp_attention import document_causal_block_mask
 
     if "block_mask" not in params.cache:
@@ -79,6 +80,7 @@ def _document_block_mask(params: PackedAttentionParams, t: int, device: torch.de
         # compile (a fresh H200 spent ~160 s compiling one graph of the first 16k forward, most
         # likely that builder; compiled FlexAttention fwd+bwd alone took 9 s there).
         params.cache["block_mask"] = document_causal_block_mask(doc_start, pos, t)
+        params.cache["mask_rows"] = (doc_start.to(torch.int32), pos.to(torch.int32))  # the mask_mod's inputs
     return params.cache["block_mask"]
 
 
@@ -92,11 +94,15 @@ class PackedCoreAttention(MegatronModule):
     def __init__(self, config: TransformerConfig, layer_number: int, attn_mask_type: Any,
                  attention_type: str, attention_dropout: float | None = None,
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
-                 pg_collection: Any = None, backend: str = "flex") -> None:
+                 pg_collection: Any = None, backend: str = "flex", expand_kv: bool = False) -> None:
         super().__init__(config=config)
         if backend not in ("flex", "sdpa"):
             raise ValueError(f"learner.megatron.attention: unknown core attention '{backend}'")
         self.backend = backend
+        # FlexAttention backward with GQA runs one dK/dV program per KV head and block, each looping
+        # over the query heads that share it: few, long programs at a few thousand tokens. With
+        # expand_kv, K/V are repeated to the query heads first (exact; the repeat's backward sums).
+        self.expand_kv = expand_kv
         self.layer_number = layer_number
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
@@ -137,8 +143,10 @@ class PackedCoreAttention(MegatronModule):
         from torch.nn.attention.flex_attention import flex_attention
 
         t = q.shape[0]
-        mask = _document_block_mask(p, t, q.device)
+        mask = document_block_mask(p, t, q.device)
         fn = _compiled("flex", flex_attention) if q.is_cuda else flex_attention
+        if self.expand_kv and k.shape[1] != q.shape[1]:
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         # [t, h, d] -> [1, h, t, d]; the head dim stays contiguous, as the kernel wants.
         out = fn(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
                  v.transpose(0, 1).unsqueeze(0), block_mask=mask, scale=self.softmax_scale,

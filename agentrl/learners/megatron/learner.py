@@ -55,6 +55,11 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _PAD_TO = 128  # total packed length multiple: steady shapes for compiled kernels
 
 
+def _graph_length(budget: int) -> int:
+    """Micro-batch length under ``learner.megatron.cuda_graphs``: the token budget, rounded up to 128."""
+    return -(-budget // _PAD_TO) * _PAD_TO
+
+
 @dataclass
 class _MicroBatch:
     packed: PackedBatch  # on the GPU; fields feed the loss
@@ -86,6 +91,10 @@ class MegatronLearner:
         mcfg = cfg.learner.megatron
         self.device = init_distributed(rank=rank, world_size=world_size, local_rank=local_rank,
                                        master_addr=master_addr, master_port=master_port)
+        if mcfg.cuda_graphs:
+            from agentrl.learners.megatron.graphs import use_capture_stream
+
+            use_capture_stream(self.device)
         self.layout = init_parallel_state(mcfg, seed=cfg.seed)
         torch.manual_seed(cfg.seed + self.layout.pp_rank)
         self.model_path = Path(model_path or cfg.model.path)
@@ -112,6 +121,11 @@ class MegatronLearner:
             self.ref_model.requires_grad_(False)
         del hf_state
         self.ddp, self.optimizer = build_ddp_and_optimizer(self.model, cfg.learner)
+        self.graphs = None
+        if mcfg.cuda_graphs:
+            from agentrl.learners.megatron.graphs import DecoderGraphs
+
+            self.graphs = DecoderGraphs(self.model)
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         self.version = 0
 
@@ -122,6 +136,8 @@ class MegatronLearner:
                             perform_initialization=True).to(self.device)
         model.temperature = self.cfg.rollout.temperature or 1.0
         model.chunk_size = self.cfg.packing.logprob_chunk_size
+        model.keep_grad_logits = mcfg.keep_grad_logits
+        model.fused_logprobs = mcfg.fused_logprobs
         return model
 
     @property
@@ -136,6 +152,8 @@ class MegatronLearner:
             packed = pack_samples([TrainSample([self.pad_id], [0], [0.0], [0.0], [-1])], [0])
         T = packed.input_ids.shape[1]
         extra = (-T) % self._pad_to
+        if self.cfg.learner.megatron.cuda_graphs:  # one length, one graph: pad up to the budget
+            extra = max(extra, _graph_length(self.cfg.packing.max_tokens_per_microbatch) - T)
         cu = packed.cu_seqlens.to(torch.int32).cpu()
         ids, pos = packed.input_ids[0], packed.position_ids[0]
         if extra:

@@ -102,7 +102,7 @@ def transformer_config(shape: ModelShape, mcfg: Any, *, dtype: torch.dtype = tor
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(shape: ModelShape, attention: str) -> ModuleSpec:
+def layer_spec(shape: ModelShape, attention: str, expand_kv: bool = False) -> ModuleSpec:
     """Transformer-layer spec: Megatron's local spec with the project's attention and norms."""
     if attention == "te":
         if not _te_available():
@@ -118,7 +118,7 @@ def layer_spec(shape: ModelShape, attention: str) -> ModuleSpec:
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
     attn = sub.self_attention.submodules
-    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"backend": attention})
+    attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"backend": attention, "expand_kv": expand_kv})
     if shape.qk_norm:
         attn.q_layernorm = RMSNorm
         attn.k_layernorm = RMSNorm
@@ -159,6 +159,7 @@ class AgentGPTModel(GPTModel):
         self.temperature = 1.0
         self.chunk_size = 1024
         self.keep_grad_logits = False  # see logprobs.vocab_parallel_logprobs
+        self.fused_logprobs = False  # likewise (fused=)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, packed_seq_params: PackedAttentionParams | None = None,
@@ -193,7 +194,8 @@ class AgentGPTModel(GPTModel):
             hidden, weight, labels.reshape(-1),
             group=tp_group if tp_group.size() > 1 else None,
             vocab_start=tp_group.rank() * v_local, real_vocab=self.real_vocab,
-            temperature=self.temperature, chunk_size=self.chunk_size, keep_grad_logits=self.keep_grad_logits)
+            temperature=self.temperature, chunk_size=self.chunk_size, keep_grad_logits=self.keep_grad_logits,
+            fused=self.fused_logprobs)
 
 
 def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
@@ -205,7 +207,7 @@ def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dt
     if shape.num_kv_heads % tp:
         raise ValueError(f"learner.megatron.tensor_parallel_size ({tp}) must divide the number of KV heads "
                          f"({shape.num_kv_heads})")
-    spec: Any = layer_spec(shape, mcfg.attention)
+    spec: Any = layer_spec(shape, mcfg.attention, expand_kv=getattr(mcfg, "flex_expand_kv", False))
     if mcfg.attention != "te":
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(cfg), layer_norm=RMSNorm)
     inv_freq, scale = rope_inv_freq(hf_config)
