@@ -17,7 +17,7 @@ from agentrl.chat import format_tool_call
 from agentrl.envs.base import Message, ToolEnv
 from agentrl.envs.tools import tool
 
-__all__ = ["EASY_SHAPES", "CalculatorEnv", "evaluate", "expert", "last_integer"]
+__all__ = ["EASY_SHAPES", "CalculatorEnv", "evaluate", "expert", "first_step", "last_integer"]
 
 SYSTEM = "Solve the problem. Use the calculate tool, then reply: The answer is N."
 NAMES = ("Tom", "Ann", "Sam", "Lily", "Ben", "Mia", "Max", "Zoe")
@@ -140,8 +140,22 @@ EASY_SHAPES = ("n + n", "n - n", "n * n")
 """Expression shapes of the one-step problems (half of all) a demonstrator is tempted to do in its head."""
 
 
+def first_step(expression: str) -> str:
+    """The operation a person does first in a two-step ``expression`` (the innermost-left one).
+
+    Example:
+        >>> first_step("(12 + 30) * 4"), first_step("100 + 20 - 5"), first_step("7 * 8")
+        ('12 + 30', '100 + 20', '7 * 8')
+    """
+    node = ast.parse(expression, mode="eval").body
+    while isinstance(node, ast.BinOp) and isinstance(node.left, ast.BinOp):
+        node = node.left
+    return ast.unparse(node)
+
+
 def expert(
-    seed: int, *, guess_prob: float = 0.4, easy_guess_prob: float | None = None, rng_seed: int | None = None
+    seed: int, *, guess_prob: float = 0.4, easy_guess_prob: float | None = None, partial_prob: float = 0.0,
+    rng_seed: int | None = None,
 ) -> list[str]:
     """An imperfect demonstrator's assistant messages for the episode ``reset(seed=seed)`` starts.
 
@@ -153,8 +167,12 @@ def expert(
     mostly skips the tool on those teaches the habit on a recognisable kind of problem, which greedy
     decoding then reproduces every time. (The wrong answers are kept learnable on purpose: random
     guesses are targets a model cannot predict, and as SFT targets they slowed the learning of the
-    number copying that the tool-using episodes need several-fold.) ``rng_seed`` varies its choices;
-    by default they are a fixed function of ``seed``.
+    number copying that the tool-using episodes need several-fold.) ``partial_prob``: on two-step
+    problems, when it does call the tool, it stops halfway with this probability: it calculates
+    only the first operation (:func:`first_step`) and answers with that intermediate result, the
+    way a careless solver forgets the second step; every such demonstration still shows the tool
+    being used and its numbers copied. ``rng_seed`` varies its choices; by default they are a
+    fixed function of ``seed``.
 
     Example:
         >>> expert(0, guess_prob=0.0)[1]
@@ -166,6 +184,9 @@ def expert(
     easy = re.sub(r"\d+", "n", env.expression) in EASY_SHAPES
     p_guess = easy_guess_prob if easy and easy_guess_prob is not None else guess_prob
     if rng.random() >= p_guess:
+        if not easy and rng.random() < partial_prob:
+            step = first_step(env.expression)
+            return [format_tool_call("calculate", {"expression": step}), f"The answer is {evaluate(step)}."]
         return [format_tool_call("calculate", {"expression": env.expression}), f"The answer is {env.answer}."]
     first_number = re.findall(r"\d+", env.question)[0]
     return [f"The answer is {first_number}."]

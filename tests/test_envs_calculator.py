@@ -126,3 +126,22 @@ def test_easy_guess_prob_makes_guessing_depend_on_the_kind_of_problem():
     assert sum(hard) / len(hard) < 0.1
     # without easy_guess_prob, guess_prob applies to every problem, as before
     assert expert(5, guess_prob=0.3) == expert(5, guess_prob=0.3, easy_guess_prob=None)
+
+
+def test_partial_prob_stops_two_step_problems_halfway():
+    from agentrl.envs.calculator import EASY_SHAPES, first_step
+
+    easy, hard = [], []
+    for seed in range(600):
+        env = CalculatorEnv()
+        env.reset(seed=seed)
+        messages = expert(seed, guess_prob=0.0, partial_prob=0.7)
+        call = parse_tool_calls(messages[0]).calls[0].arguments["expression"]
+        partial = call != env.expression
+        if partial:
+            assert call == first_step(env.expression) and call in env.expression.replace("(", "").replace(")", "")
+        reward = play(seed, messages)[0]
+        assert reward == (0.0 if partial else 1.0)  # the intermediate result is never the answer
+        (easy if re.sub(r"\d+", "n", env.expression) in EASY_SHAPES else hard).append(partial)
+    assert not any(easy)  # one-step problems have no second step to forget
+    assert 0.6 < sum(hard) / len(hard) < 0.8

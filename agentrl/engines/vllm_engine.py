@@ -64,6 +64,13 @@ class VLLMEngine:
     async def start(self) -> None:
         """Start the engine (spawns vLLM's engine-core process)."""
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, int(round(self.cfg.kv_cache_gib)))))
+        if self.cfg.num_gpus == 0:
+            # On CPU vLLM otherwise runs the model in a worker process of its own, beside the
+            # engine-core process, and the two exchange every step through a spinning shared-memory
+            # queue. One process (the "uni" executor) leaves that CPU to the rollouts and the
+            # learner: ~1.5x the trajectories/s of the async pipeline on 2 cores (bench/RESULTS.md).
+            # Set VLLM_ENABLE_V1_MULTIPROCESSING=1 to get the worker process back.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
