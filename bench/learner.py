@@ -145,9 +145,18 @@ def _build_megatron(grad_fp32: bool, state: dict | None):
     return learner
 
 
+def _set_options(learner, keep: bool, kvrep: bool, fhead: bool) -> None:
+    """The model-side settings of learner.megatron.keep_grad_logits, flex_expand_kv, fused_logprobs."""
+    learner.model.keep_grad_logits, learner.model.fused_logprobs = keep, fhead
+    for layer in learner.model.decoder.layers:
+        layer.self_attention.core_attention.expand_kv = kvrep
+
+
 def _train_check(learner, rows: list[dict]) -> None:
-    """train_step (recompute pass + fwd/bwd + Adam) on 15k tokens in 2 micro-batches of <= 8192, eager vs
-    cuda_graphs, same weights (a 16k-token graph and Adam's state do not fit together in 80 GB)."""
+    """train_step (recompute pass + fwd/bwd + Adam) on 15k tokens in 2 micro-batches of <= 8192, same
+    weights each time: eager with the defaults, eager with keep+kvrep+fhead, then cuda_graphs with
+    them (capture, replay) -- the recommended config against the defaults (a 16k-token graph and
+    Adam's state do not fit together in 80 GB)."""
     from agentrl.learners.megatron.graphs import DecoderGraphs
     from agentrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -164,8 +173,9 @@ def _train_check(learner, rows: list[dict]) -> None:
     groups = [TrajectoryGroup(task_id="t0", trajectories=trajs, group_id=0)]
     state = {k: v.detach().clone() for k, v in learner.model.state_dict().items() if torch.is_tensor(v)}
     mcfg = learner.cfg.learner.megatron
-    for graphs in (False, True, True):
+    for graphs, opts in ((False, False), (False, True), (True, True), (True, True)):
         learner.model.load_state_dict(state, strict=False)
+        _set_options(learner, opts, opts, opts)
         mcfg.cuda_graphs = graphs
         if graphs and learner.graphs is None:
             learner.graphs = DecoderGraphs(learner.model)
@@ -175,10 +185,23 @@ def _train_check(learner, rows: list[dict]) -> None:
         t0 = time.perf_counter()
         m = learner.train_step(groups)
         torch.cuda.synchronize()
-        rows.append({"check": "train_step", "cuda_graphs": graphs, "loss": m["train/loss"],
-                     "grad_norm": m["train/grad_norm"], "s": time.perf_counter() - t0})
+        rows.append({"check": "train_step", "cuda_graphs": graphs, "keep+kvrep+fhead": opts,
+                     "grad_reduce_in_fp32": mcfg.grad_reduce_in_fp32, "loss": m["train/loss"],
+                     "grad_norm": m["train/grad_norm"], "s": time.perf_counter() - t0,
+                     "peak_GiB": torch.cuda.max_memory_allocated() / 2**30})
         print(_stamp(), rows[-1], flush=True)
     mcfg.cuda_graphs = False
+
+
+def _compiled_graphs(checks: list[dict]) -> None:
+    """How many graphs dynamo holds for each of the learner's compiled functions (bounded by design)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from agentrl.learners.megatron import compiled
+
+    counts = {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__)) for fn in compiled._COMPILED}
+    checks.append({"check": "compiled_graphs", **counts})
+    print(_stamp(), checks[-1], flush=True)
 
 
 def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: list[str],
@@ -205,10 +228,7 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
     if train_check and box["learner"] is not None:
         from agentrl.learners.megatron.wgrad import set_grad_accum_fusion
 
-        set_grad_accum_fusion(box["learner"].model, False)  # the learner's defaults: own wgrad path, GQA kernel
-        for layer in box["learner"].model.decoder.layers:
-            layer.self_attention.core_attention.expand_kv = False
-        box["learner"].model.keep_grad_logits = box["learner"].model.fused_logprobs = False
+        set_grad_accum_fusion(box["learner"].model, False)  # the learner's own wgrad path
         if box["learner"].graphs is not None:
             box["learner"].graphs.reset()
         try:
@@ -219,6 +239,10 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
             traceback.print_exc()
             checks.append({"check": "train_step", "error": repr(e)[:2000]})
         write()
+    try:
+        _compiled_graphs(checks)
+    except Exception as e:  # noqa: BLE001
+        checks.append({"check": "compiled_graphs", "error": repr(e)[:500]})
 
 
 def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) -> None:
@@ -297,8 +321,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None)
     ap.add_argument("--iters", type=int, default=8)
-    ap.add_argument("--variants", default="flex+keep,flex+keep+fhead,flex+keep+graphs+kvrep,flex+keep+graphs+kvrep+fhead,"
-                    "flex+keep+graphs+bf16grad+kvrep,flex+keep+graphs+bf16grad+kvrep+fhead",
+    ap.add_argument("--variants", default="flex+keep,flex+keep+fhead,flex+keep+graphs+bf16grad+kvrep,"
+                    "flex+keep+graphs+bf16grad+kvrep+fhead,flex+keep+graphs+kvrep,flex+keep+graphs+kvrep+fhead",
                     help="Megatron variants: core attention (flex, sdpa) and options: '+keep' keeps d logp/d logits "
                          "(no recompute), '+graphs' replays the decoder as CUDA graphs, '+bf16grad' "
                          "learner.megatron.grad_reduce_in_fp32=false, '+gaf' gradient-accumulation fusion (wgrad.py), "

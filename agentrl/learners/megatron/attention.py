@@ -8,7 +8,8 @@ positions restart at 0 (and under context parallelism each local token gets its 
 
 Backends: ``flex`` (FlexAttention, compiled, block-sparse document-causal mask), ``sdpa`` (one
 causal SDPA call per document) and, when ``context_parallel_size > 1``, the project's
-``cp_attention.cp_document_attention`` over zigzag shards.
+``cp_attention.cp_document_attention`` over zigzag shards. RoPE and FlexAttention run compiled on
+CUDA through `agentrl.learners.megatron.compiled` (any length, never silently eager).
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-__all__ = ["PackedAttentionParams", "PackedCoreAttention", "apply_rope", "document_block_mask", "make_packed_params"]
+from agentrl.learners.megatron.compiled import compiled, flex_attention
 
-_COMPILED: dict[str, Any] = {}
+__all__ = ["PackedAttentionParams", "PackedCoreAttention", "apply_rope", "document_block_mask", "make_packed_params"]
 
 
 @dataclass
@@ -60,12 +61,6 @@ def _rotate_half(x: Tensor) -> Tensor:
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate ``x`` [t, heads, D] by per-token ``cos``/``sin`` [t, D] (HF's half-split layout)."""
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
-
-
-def _compiled(name: str, fn: Any) -> Any:
-    if name not in _COMPILED:
-        _COMPILED[name] = torch.compile(fn, dynamic=False)
-    return _COMPILED[name]
 
 
 def document_block_mask(params: PackedAttentionParams, t: int, device: torch.device) -> Any:
@@ -120,7 +115,7 @@ class PackedCoreAttention(MegatronModule):
             raise ValueError("PackedCoreAttention does not take an attention bias")
         p = packed_seq_params
         if p.rope_cos is not None:
-            rope = _compiled("rope", apply_rope) if query.is_cuda else apply_rope
+            rope = compiled(apply_rope) if query.is_cuda else apply_rope
             query = rope(query, p.rope_cos, p.rope_sin)
             key = rope(key, p.rope_cos, p.rope_sin)
         t, nq, hn = query.shape
@@ -140,17 +135,14 @@ class PackedCoreAttention(MegatronModule):
         return out.reshape(t, nq * hn)
 
     def _flex(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
-        from torch.nn.attention.flex_attention import flex_attention
-
         t = q.shape[0]
         mask = document_block_mask(p, t, q.device)
-        fn = _compiled("flex", flex_attention) if q.is_cuda else flex_attention
         if self.expand_kv and k.shape[1] != q.shape[1]:
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
-        # [t, h, d] -> [1, h, t, d]; the head dim stays contiguous, as the kernel wants.
-        out = fn(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-                 v.transpose(0, 1).unsqueeze(0), block_mask=mask, scale=self.softmax_scale,
-                 enable_gqa=q.shape[1] != k.shape[1])
+        # [t, h, d] -> [1, h, t, d]; the head dim stays contiguous, as the kernel wants. Compiled
+        # only (CUDA): eager FlexAttention would materialize the [h, t, t] scores.
+        out = flex_attention(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
+                             v.transpose(0, 1).unsqueeze(0), mask, self.softmax_scale)
         return out.squeeze(0).transpose(0, 1)
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:

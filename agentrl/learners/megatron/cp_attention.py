@@ -302,24 +302,21 @@ def _get_plan(
     return _plan(cu, cp_size, cp_rank, torch.device(device), backend)
 
 
-@functools.cache
-def _flex_attention(compiled: bool) -> Any:
-    from torch.nn.attention.flex_attention import flex_attention
-
-    # Eager FlexAttention is a slow reference (it materializes the scores); CUDA runs it compiled.
-    return torch.compile(flex_attention) if compiled else flex_attention
-
-
 def _attend(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan, scale: float, backend: str
 ) -> torch.Tensor:
     """Local queries [t, Hq, D] against all keys [T, Hkv, D] under the plan's mask -> [t, Hq, D]."""
     q_, k_, v_ = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, S, D]
     if backend == "flex":
-        gqa = q.shape[1] != k.shape[1]
-        out = _flex_attention(q.is_cuda)(
-            q_, k_, v_, block_mask=plan.mask, scale=scale, enable_gqa=gqa
-        )
+        if q.is_cuda:  # compiled (any length, never silently eager)
+            from agentrl.learners.megatron.compiled import flex_attention
+
+            out = flex_attention(q_, k_, v_, plan.mask, scale)
+        else:  # eager FlexAttention: a slow reference (it materializes the scores)
+            from torch.nn.attention.flex_attention import flex_attention
+
+            out = flex_attention(q_, k_, v_, block_mask=plan.mask, scale=scale,
+                                 enable_gqa=q.shape[1] != k.shape[1])
     else:
         groups = q.shape[1] // k.shape[1]
         if groups > 1:

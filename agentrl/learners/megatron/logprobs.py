@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from agentrl.learners.megatron.compiled import compiled
+
 __all__ = ["vocab_parallel_logprobs"]
 
 
@@ -67,18 +69,6 @@ def _fused_dlogits(logits: Tensor, lse: Tensor, local: Tensor, inside: Tensor, s
     return (d * scale[:, None]).to(logits.dtype)
 
 
-_FUSED: dict[str, Any] = {}
-
-
-def _fused(name: str, fn: Any, cuda: bool) -> Any:
-    """``fn`` compiled on CUDA (the float32 [chunk, V] intermediates stay in registers), else eager."""
-    if not cuda:
-        return fn
-    if name not in _FUSED:
-        _FUSED[name] = torch.compile(fn, dynamic=None)
-    return _FUSED[name]
-
-
 class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, group: Any, vocab_start: int,
@@ -93,8 +83,9 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         fused = fused and tp == 1 and weight.dtype in (torch.bfloat16, torch.float16)
         ctx.args = (vocab_start, real_vocab, temperature, chunk_size, fused)
         if fused:
-            stats = _fused("stats", _fused_stats, hidden.is_cuda)
-            dlogits = _fused("dlogits", _fused_dlogits, hidden.is_cuda)
+            # compiled on CUDA: the float32 [chunk, V] intermediates stay in registers
+            stats = compiled(_fused_stats) if hidden.is_cuda else _fused_stats
+            dlogits = compiled(_fused_dlogits) if hidden.is_cuda else _fused_dlogits
             pad_from = real_vocab - vocab_start
             ones = torch.ones(min(chunk_size, t), dtype=torch.float32, device=hidden.device)
             for s in range(0, t, chunk_size):
@@ -154,7 +145,7 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             local = labels[s:e] - vocab_start
             inside = (local >= 0) & (local < v_local)
             if fused:
-                dlogits = _fused("dlogits", _fused_dlogits, hidden.is_cuda)
+                dlogits = compiled(_fused_dlogits) if hidden.is_cuda else _fused_dlogits
                 d = dlogits(hidden[s:e] @ weight.t(), lse[s:e], local, inside, grad_out[s:e].float(),
                             temperature, real_vocab - vocab_start)
             else:

@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_block import (
 from torch import Tensor
 
 from agentrl.learners.megatron.attention import PackedAttentionParams, PackedCoreAttention
+from agentrl.learners.megatron.compiled import compiled
 from agentrl.learners.megatron.convert import ModelShape
 from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
 
@@ -54,9 +55,6 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-_compiled_rms_norm = torch.compile(_rms_norm, dynamic=False)
-
-
 class RMSNorm(torch.nn.Module):
     """RMSNorm with HF's numerics, compiled on CUDA; usable as any Megatron norm (also q/k)."""
 
@@ -69,7 +67,7 @@ class RMSNorm(torch.nn.Module):
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
-        fn = _compiled_rms_norm if x.is_cuda else _rms_norm
+        fn = compiled(_rms_norm) if x.is_cuda else _rms_norm
         return fn(x, self.weight, self.eps)
 
 
