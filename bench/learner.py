@@ -331,7 +331,16 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="write a kernel table of the last variant at 4k here")
     ap.add_argument("--skip-torch", action="store_true")
     ap.add_argument("--train-check", action="store_true", help="then train_step eager vs cuda_graphs (loss, grad norm)")
+    ap.add_argument("--cases", default=",".join(CASES), help="which of 4k,16k")
+    ap.add_argument("--static-compile", action="store_true",
+                    help="A/B: the learner's kernels compiled with dynamic=False (a graph per length, as before 3a7ec0b)")
     args = ap.parse_args()
+    for case in set(CASES) - set(args.cases.split(",")):
+        del CASES[case]
+    if args.static_compile:
+        from agentrl.learners.megatron import compiled
+
+        compiled.DYNAMIC = False
     t0 = time.time()
     rows: list[dict] = []
     checks: list[dict] = []

@@ -37,6 +37,7 @@ __all__ = ["RECOMPILE_LIMIT", "compiled", "flex_attention"]
 
 RECOMPILE_LIMIT = 32
 BACKEND: Any = "inductor"  # tests count graphs with a dynamo CompileCounter here
+DYNAMIC: bool | None = None  # torch.compile's ``dynamic``; bench/learner.py --static-compile sets False (A/B)
 _COMPILED: dict[Callable, Callable] = {}
 
 
@@ -45,7 +46,7 @@ def compiled(fn: Callable) -> Callable:
     if fn not in _COMPILED:
         config = torch._dynamo.config
         config.recompile_limit = max(config.recompile_limit, RECOMPILE_LIMIT)
-        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=None, backend=BACKEND)
+        _COMPILED[fn] = torch.compile(fn, fullgraph=True, dynamic=DYNAMIC, backend=BACKEND)
     return _COMPILED[fn]
 
 
