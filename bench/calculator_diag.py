@@ -42,7 +42,7 @@ def main() -> None:
         env = CalculatorEnv()
         env.reset(seed=t.seed)
         kind = "one-step" if re.sub(r"\d+", "n", env.expression) in EASY_SHAPES else "two-step"
-        turns = [tok.decode(t.token_ids[a:b], skip_special_tokens=True) for a, b in t.turn_spans]
+        turns = [tok.decode(t.token_ids[a:b]) for a, b in t.turn_spans]  # <tool_call> may be a special token
         calls = [c for text in turns for c in parse_tool_calls(text).calls]
         exprs = [str(c.arguments.get("expression", "")).strip() for c in calls]
         right_call = bool(exprs) and exprs[0] == env.expression
