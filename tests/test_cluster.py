@@ -14,6 +14,9 @@ from .test_pipeline_e2e import REPO, e2e_overrides, read_rows
 pytestmark = pytest.mark.slow
 
 
+STEPS = 30  # enough that the node goes while training still has work left (a step takes ~0.5 s)
+
+
 def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
     import ray
     from ray.cluster_utils import Cluster
@@ -26,7 +29,7 @@ def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
     cluster.add_node(num_cpus=1, resources={"engine_slot": 1})  # spare, for the restart
     run_dir = tmp_path / "run"
     cfg = load_config(None, e2e_overrides(
-        tiny_model_dir, run_dir, "train.num_steps=4", f"cluster.address={cluster.address}",
+        tiny_model_dir, run_dir, f"train.num_steps={STEPS}", f"cluster.address={cluster.address}",
         "engine.resources={engine_slot: 1}", "learner.resources={learner_slot: 1}",
         "rollout.resources={rollout_slot: 1}"))
     ray.init(address=cluster.address, runtime_env={"env_vars": {"PYTHONPATH": REPO}}, log_to_driver=False)
@@ -52,16 +55,18 @@ def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
         deadline = time.time() + 300
         while not (run_dir / "metrics.jsonl").is_file() or not any(r.get("step", 0) >= 1 for r in read_rows(run_dir)):
             assert time.time() < deadline and thread.is_alive(), errors
-            time.sleep(0.2)
+            time.sleep(0.1)
         engine_node = next(n for n in cluster.worker_nodes if n.node_id == nodes["engine"])
         cluster.remove_node(engine_node, allow_graceful=False)
+        step_at_removal = max(r.get("step", 0) for r in read_rows(run_dir))
+        assert step_at_removal < STEPS, "training finished before the node was removed"
         thread.join(timeout=480)
         assert not thread.is_alive() and not errors, errors
         new_node = ray.get(trainer.engines[0].node_id.remote())
         assert new_node != nodes["engine"], "the engine was not restarted on another node"
-        assert ray.get(trainer.engines[0].version.remote()) == trainer.version == 4
+        assert ray.get(trainer.engines[0].version.remote()) == trainer.version == STEPS
     finally:
         trainer.shutdown()
         ray.shutdown()
         cluster.shutdown()
-    assert [r["step"] for r in read_rows(run_dir) if "train/loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in read_rows(run_dir) if "train/loss" in r] == list(range(1, STEPS + 1))
