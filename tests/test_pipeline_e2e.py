@@ -117,10 +117,13 @@ def test_plot_renders_real_run(e2e_run):
         assert colors is not None and len(colors) > 20, f"{p.name} looks blank"
 
 
-def _agentrl(*args, cwd=REPO):
+def _agentrl(*args, cwd=REPO, log=None):
+    """`agentrl ARGS` in a subprocess; its output goes to ``log`` (a file) if given, else to a pipe
+    (read it with communicate(): an unread pipe fills up and blocks the process)."""
     env = dict(os.environ, PYTHONPATH=REPO)
+    out = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115 (the child owns it)
     return subprocess.Popen([sys.executable, "-m", "agentrl.cli", *args], cwd=cwd, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=out, stderr=subprocess.STDOUT, text=True)
 
 
 def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
@@ -133,18 +136,20 @@ def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     cfg_path = tmp_path / "cfg.yaml"
     cfg_path.write_text("")
     overrides = e2e_overrides(tiny_model_dir, run_dir, f"train.num_steps={steps_total}", "train.checkpoint_interval=2")
-    proc = _agentrl("train", str(cfg_path), *overrides, "--no-progress")
+    log = tmp_path / "first_run.log"
+    proc = _agentrl("train", str(cfg_path), *overrides, "--no-progress", log=log)
     latest = run_dir / "checkpoints" / "latest"
     deadline = time.time() + 400
     while time.time() < deadline and proc.poll() is None:
         if latest.is_file() and latest.read_text().strip() >= "step_000002":
             break
         time.sleep(0.1)
-    assert proc.poll() is None, proc.stdout.read()
+    assert proc.poll() is None, log.read_text()
     proc.send_signal(signal.SIGINT)
     proc.wait(timeout=120)
     first = [r for r in read_rows(run_dir) if "train/loss" in r]
     assert first and first[-1]["step"] < steps_total, "the run finished before it could be interrupted"
+    assert proc.returncode is not None, log.read_text()[-3000:]
     k = int(latest.read_text().strip().split("_")[1])  # the checkpoint --resume starts from
     assert k >= 2
 
