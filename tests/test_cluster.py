@@ -23,6 +23,12 @@ def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
 
     from agentrl.trainer import Trainer
 
+    import psutil
+
+    def engine_cores() -> set[int]:
+        return {p.pid for p in psutil.process_iter(["name"]) if "EngineCore" in (p.info["name"] or "")}
+
+    cores_before = engine_cores()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"rollout_slot": 2}})
     cluster.add_node(num_cpus=1, resources={"engine_slot": 1})
     cluster.add_node(num_cpus=1, resources={"learner_slot": 1})
@@ -69,4 +75,12 @@ def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
         trainer.shutdown()
         ray.shutdown()
         cluster.shutdown()
+        # Simulated nodes share this host: removing one kills its Ray workers but not the vLLM
+        # engine-core process an engine actor had started, which would go on using CPU and memory
+        # for the rest of the test session.
+        for pid in engine_cores() - cores_before:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.NoSuchProcess:
+                pass
     assert [r["step"] for r in read_rows(run_dir) if "train/loss" in r] == list(range(1, STEPS + 1))

@@ -122,8 +122,12 @@ def _agentrl(*args, cwd=REPO, log=None):
     (read it with communicate(): an unread pipe fills up and blocks the process)."""
     env = dict(os.environ, PYTHONPATH=REPO)
     out = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115 (the child owns it)
+    # SIGINT back to the default in the child: a test session started as a background job inherits
+    # "ignore SIGINT", and Python then installs no KeyboardInterrupt handler, so the interrupt
+    # below would be lost.
     return subprocess.Popen([sys.executable, "-m", "agentrl.cli", *args], cwd=cwd, env=env,
-                            stdout=out, stderr=subprocess.STDOUT, text=True)
+                            stdout=out, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
