@@ -162,8 +162,9 @@ class LossConfig(Section):
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip bound c > 1 for negative advantages; None disables it."""
     proximal: Literal["recompute", "bypass"] = "recompute"
-    """recompute: ratio against the learner's own logprobs before the step; bypass: against the
-    behaviour logprobs (no recompute pass; IS correction is then the identity)."""
+    """recompute: ratio against the learner's own logprobs before the step (one optimizer step per
+    batch: the training pass's own logprobs, detached; no extra pass); bypass: against the
+    behaviour logprobs (IS correction is then the identity)."""
     importance_sampling: ImportanceSamplingConfig = Field(default_factory=ImportanceSamplingConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"

@@ -8,8 +8,8 @@ from agentrl.metrics import read_metrics
 
 __all__ = ["plot_run"]
 
-_TIMING = [("timing/waiting", "waiting for data"), ("timing/logprobs", "logprobs (proximal)"),
-           ("timing/training", "training"), ("timing/refit", "refit")]
+_TIMING = [("timing/waiting", "waiting for data"), ("timing/logprobs", "reference logprobs (KL)"),
+           ("timing/training", "training"), ("timing/refit_wait", "waiting for refit")]
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:

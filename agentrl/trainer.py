@@ -12,6 +12,7 @@ import os
 import pickle
 import shutil
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,9 @@ class Trainer:
         self.version = 0
         self.actors_started = False
         self.engines_unavailable_at_refit = 0
+        self._refit_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-refit")
+        self._refit_future: Future[float] | None = None
+        self._last_refit_s = 0.0
 
     # -- actors -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -98,20 +102,45 @@ class Trainer:
                 cfg, self.engines, self.replay, i, self.model_path)
             for i in range(cfg.rollout.num_actors)
         ]
+        ray.get([r.node_id.remote() for r in self.rollouts])  # constructed (tokenizer, env checked)
         self.actors_started = True
 
     def refit(self) -> float:
-        """Push the learner's weights to every engine (through the Ray object store)."""
+        """Push the learner's weights to every engine and wait for them; returns seconds taken."""
+        self._wait_refit()
+        return self._refit_engines(self.learner.export_weights.remote(), self.version)
+
+    def _refit_engines(self, weights: Any, version: int) -> float:
+        """Stage ``weights`` (an ObjectRef: stored once, read by each engine) in the replay actor,
+        load them into every engine, then open admission at ``version``."""
         t0 = time.perf_counter()
-        weights = self.learner.export_weights.remote()  # an ObjectRef: stored once, read by each engine
-        ray.get(self.replay.stage_weights.remote(self.version, [weights]))
-        for ref in [e.update_weights.remote(weights, self.version, self.cfg.refit.mode) for e in self.engines]:
+        ray.get(self.replay.stage_weights.remote(version, [weights]))
+        for ref in [e.update_weights.remote(weights, version, self.cfg.refit.mode) for e in self.engines]:
             try:
                 ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                 # The engine died or is restarting; it loads the staged weights before its next request.
                 self.engines_unavailable_at_refit += 1
-        ray.get(self.replay.set_weights_version.remote(self.version))
+        ray.get(self.replay.set_weights_version.remote(version))
+        return time.perf_counter() - t0
+
+    def _start_refit(self) -> float:
+        """Begin a refit to the current version in the background; returns seconds spent waiting
+        for the previous one. The snapshot call is queued on the learner before its next step
+        (actor calls from one caller run in order), so the learner's next step overlaps the
+        engines' weight load instead of waiting for it; admission opens at the new version only
+        once every engine serves it, so the staleness bound is unchanged."""
+        waited = self._wait_refit()
+        weights = self.learner.export_weights.remote()
+        self._refit_future = self._refit_pool.submit(self._refit_engines, weights, self.version)
+        return waited
+
+    def _wait_refit(self) -> float:
+        """Block until the background refit (if any) is done; re-raises its error."""
+        t0 = time.perf_counter()
+        future, self._refit_future = self._refit_future, None
+        if future is not None:
+            self._last_refit_s = future.result()
         return time.perf_counter() - t0
 
     def evaluate(self, label: str) -> dict[str, float]:
@@ -121,6 +150,7 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
+        self._wait_refit()  # the replay's weights version is saved: engines serve it by then
         path = self.ckpt_dir / f"step_{self.step:06d}"
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -190,7 +220,7 @@ class Trainer:
                 t2 = time.perf_counter()
                 self.version += 1
                 self.step += 1
-                refit_s = self.refit() if self.version % cfg.refit.interval == 0 else 0.0
+                refit_wait_s = self._start_refit() if self.version % cfg.refit.interval == 0 else 0.0
                 trajs = [t for g in groups for t in g.trajectories]
                 staleness = [self.version - 1 - t.min_version for t in trajs if t.num_sampled_tokens]
                 versions = [v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m]
@@ -203,7 +233,10 @@ class Trainer:
                     "replay/token_version_max": float(max(versions, default=-1)),
                     "timing/waiting": t1 - t0,
                     "timing/learner_step": t2 - t1,
-                    "timing/refit": refit_s,
+                    # the refit runs beside the next step: its last duration, and how long the loop
+                    # waited for it before starting the following one
+                    "timing/refit": self._last_refit_s,
+                    "timing/refit_wait": refit_wait_s,
                     "refit/engines_unavailable": float(self.engines_unavailable_at_refit),
                     "timing/step": time.perf_counter() - t0,
                     "rollout/tokens_per_s": sum(t.num_sampled_tokens for t in trajs) / max(time.perf_counter() - t0, 1e-9),
@@ -215,11 +248,17 @@ class Trainer:
                 ci = cfg.train.checkpoint_interval
                 if ci and self.step % ci == 0:
                     self.save_checkpoint()
+        self._wait_refit()
         if cfg.train.num_steps and (not cfg.train.checkpoint_interval or self.step % cfg.train.checkpoint_interval):
             self.save_checkpoint()
         return {f"final/{k}": v for k, v in last.items() if isinstance(v, (int, float))}
 
     def shutdown(self) -> None:
+        try:
+            self._wait_refit()
+        except Exception:
+            pass  # shutting down anyway; the loop already raised what mattered
+        self._refit_pool.shutdown(wait=True)
         if self.actors_started:
             for actor in [*getattr(self, "rollouts", []), *self.engines, *self.learner.actors, self.replay]:
                 try:

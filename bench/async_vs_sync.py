@@ -28,8 +28,26 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) so far of this process and its descendants (Ray's workers,
+    vLLM's processes), by process title, e.g. "ray::LearnerActor"."""
+    import psutil
+
+    me = psutil.Process()
+    out: dict[str, float] = {}
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            name = " ".join(p.cmdline()[:1]) or p.name()
+        except psutil.Error:
+            continue
+        name = "driver" if p.pid == me.pid else name.split(".")[0].split(" ")[0].split("/")[-1]
+        out[name] = out.get(name, 0.0) + t.user + t.system + t.children_user + t.children_system
+    return out
+
+
 def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_per_step: int = 4,
-             lr: float = 1e-4, temperature: float = 0.7) -> dict:
+             lr: float = 1e-4, temperature: float = 0.7, overrides: list[str] = ()) -> dict:
     import ray
 
     from agentrl.config import load_config
@@ -39,10 +57,14 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
         f"run_dir={run_dir}", f"model.path={model}", "sft.enabled=false",
         "env.id=bench.slow_envs:SlowCalculator-v0", f"replay.max_staleness={staleness}",
-        "replay.capacity=32", "rollout.max_concurrent_groups=8", "train.num_steps=100000",
+        # one rollout actor whose concurrency is bounded only by admission ((4 + 1) x groups_per_step
+        # groups ahead of the learner): a second actor process cost CPU the engine needed
+        "replay.capacity=32", "rollout.num_actors=1", f"rollout.max_concurrent_groups={5 * groups_per_step}",
+        "train.num_steps=100000",
         # pinned here (flags) so that tuning the quickstart does not move this benchmark
         f"replay.groups_per_step={groups_per_step}", f"rollout.temperature={temperature}", f"learner.lr={lr}",
         f"train.time_limit_s={seconds}", "eval.num_episodes=0", "train.checkpoint_interval=0",
+        *overrides,
     ])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": str(REPO),
@@ -50,9 +72,11 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
     trainer = Trainer(cfg, progress=False)
     try:
         trainer.start()
+        cpu0 = cpu_seconds()
         t0 = time.perf_counter()
         trainer.run()
         wall = time.perf_counter() - t0
+        cpu = {k: v - cpu0.get(k, 0.0) for k, v in cpu_seconds().items()}
         hist = ray.get(trainer.replay.length_histograms.remote())
         replay = ray.get(trainer.replay.metrics.remote())
     finally:
@@ -79,6 +103,8 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
         "generated_groups": replay["replay/admitted"],
         "dropped_stale": replay["replay/dropped_stale"],
         "hist": hist,
+        "cpu_s": {k: v for k, v in sorted(cpu.items(), key=lambda kv: -kv[1]) if v >= 0.5},
+        "wall_s": wall,
     }
 
 
@@ -90,6 +116,10 @@ def main() -> None:
     # SFT model used the tool well: see bench/RESULTS.md
     parser.add_argument("--lr", type=float, default=1e-4, help="learner.lr of both modes")
     parser.add_argument("--temperature", type=float, default=0.7, help="rollout.temperature of both modes")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override applied to both modes (repeatable)")
+    parser.add_argument("--workdir", type=Path, help="keep the runs' directories (metrics.jsonl) here")
+    parser.add_argument("--only", choices=["sync", "async"], help="run one mode (exploring; no ratio)")
     args = parser.parse_args()
 
     from agentrl.config import load_config
@@ -97,11 +127,25 @@ def main() -> None:
 
     qs = load_config(REPO / "configs" / "quickstart.yaml")
     model = str(run_sft(qs))  # cached after the quickstart's first run
+    runs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        sync = run_mode(0, args.seconds, model, Path(tmp), args.groups_per_step, args.lr, args.temperature)
-        asyn = run_mode(4, args.seconds, model, Path(tmp), args.groups_per_step, args.lr, args.temperature)
+        if args.workdir:
+            tmp = args.workdir
+        for name, staleness in [("sync", 0), ("async", 4)]:
+            if args.only in (None, name):
+                runs[name] = run_mode(staleness, args.seconds, model, Path(tmp), args.groups_per_step, args.lr,
+                                      args.temperature, args.overrides)
+    for name, r in runs.items():
+        share = ", ".join(f"{k} {v / r['wall_s']:.2f}" for k, v in r["cpu_s"].items())
+        print(f"{name}: CPU cores used by process ({r['wall_s']:.0f} s): {share}")
+    if args.only:
+        print(json.dumps({k: v for k, v in runs[args.only].items() if k != "hist"}, indent=1))
+        return
+    sync, asyn = runs["sync"], runs["async"]
 
     print(f"\nasync vs sync at equal wall time ({args.seconds:.0f} s of training each; CPU, tool latency 0.1-2 s)")
+    if args.overrides:
+        print("overrides (both modes): " + " ".join(args.overrides))
     print(f"{'':28s}{'sync (staleness 0)':>20s}{'async (staleness 4)':>22s}{'ratio':>8s}")
     for key, label in [("traj_per_s", "trajectories / s"), ("steps_per_hour", "learner steps / hour"),
                        ("reward_last_quarter", "reward (last quarter)"),

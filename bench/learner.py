@@ -11,8 +11,7 @@ the optimizer step is amortized over many micro-batches and left out) on a packe
 * ``megatron/<attention>+<options>``: the Megatron learner's model with the project's core
   attention, fed by the learner's own micro-batch builder; options ``keep`` (kept d logp/d logits),
   ``graphs`` (the decoder replayed as CUDA graphs, `DecoderGraphs`), ``bf16grad``
-  (``learner.megatron.grad_reduce_in_fp32=false``: bf16 main grads), ``gaf`` (gradient-accumulation
-  fusion: the weight-gradient GEMMs add into main_grad, `wgrad.py`), ``kvrep`` (K/V repeated to the
+  (``learner.megatron.grad_reduce_in_fp32=false``: bf16 main grads), ``kvrep`` (K/V repeated to the
   query heads before FlexAttention, ``PackedCoreAttention.expand_kv``), ``fhead`` (the logprob head's
   softmax work as compiled one-pass kernels, ``vocab_parallel_logprobs(fused=True)``). For each variant the run also
   records the logprob sum, the max logprob difference to the first variant and the gradient norm
@@ -226,9 +225,6 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
             write()
     print("peak memory GiB", torch.cuda.max_memory_allocated() / 2**30, flush=True)
     if train_check and box["learner"] is not None:
-        from agentrl.learners.megatron.wgrad import set_grad_accum_fusion
-
-        set_grad_accum_fusion(box["learner"].model, False)  # the learner's own wgrad path
         if box["learner"].graphs is not None:
             box["learner"].graphs.reset()
         try:
@@ -247,7 +243,6 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
 
 def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) -> None:
     from agentrl.learners.megatron.graphs import DecoderGraphs
-    from agentrl.learners.megatron.wgrad import set_grad_accum_fusion
     from agentrl.packing import pack_sequences
 
     attention, *options = variant.split("+")
@@ -267,12 +262,7 @@ def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) 
             box["state"] = {k: v.detach().cpu() for k, v in learner.model.state_dict().items() if torch.is_tensor(v)}
     learner.model.keep_grad_logits = "keep" in options
     learner.model.fused_logprobs = "fhead" in options
-    gaf, kvrep = "gaf" in options, "kvrep" in options
-    if getattr(learner, "_bench_gaf", False) != gaf:
-        set_grad_accum_fusion(learner.model, gaf)
-        learner._bench_gaf = gaf
-        if learner.graphs is not None:  # graphs captured with the other wgrad path
-            learner.graphs.reset()
+    kvrep = "kvrep" in options
     if getattr(learner, "_bench_kvrep", False) != kvrep:
         for layer in learner.model.decoder.layers:
             layer.self_attention.core_attention.expand_kv = kvrep
@@ -325,7 +315,7 @@ def main() -> None:
                     "flex+keep+graphs+bf16grad+kvrep+fhead,flex+keep+graphs+kvrep,flex+keep+graphs+kvrep+fhead",
                     help="Megatron variants: core attention (flex, sdpa) and options: '+keep' keeps d logp/d logits "
                          "(no recompute), '+graphs' replays the decoder as CUDA graphs, '+bf16grad' "
-                         "learner.megatron.grad_reduce_in_fp32=false, '+gaf' gradient-accumulation fusion (wgrad.py), "
+                         "learner.megatron.grad_reduce_in_fp32=false, "
                          "'+kvrep' K/V repeated to the query heads before FlexAttention, '+fhead' fused (compiled) "
                          "logprob head")
     ap.add_argument("--profile", default=None, help="write a kernel table of the last variant at 4k here")

@@ -61,3 +61,32 @@ def test_tied_groups_are_skipped_without_changing_the_step(tiny_model_dir, monke
     assert abs(out["train/grad_norm"] - out_kept["train/grad_norm"]) < 1e-5 * max(1.0, out_kept["train/grad_norm"])
     for a, b in zip(_weights(filtered), _weights(kept)):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_proximal_logprobs_are_the_training_pass_own(tiny_model_dir, monkeypatch):
+    """Under ``proximal: recompute`` the loss gets, as pi_prox, exactly what a separate no-grad
+    pass over the same micro-batch under the pre-step weights gives (one optimizer step per
+    batch), so the learner saves that pass."""
+    import agentrl.learners.torch_learner as tl
+
+    cfg = Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3},
+                                 "packing": {"max_tokens_per_microbatch": 64}, "rollout": {"max_total_tokens": 64}})
+    learner = TorchLearner(cfg)
+    seen = []
+    real_loss = tl.microbatch_loss
+
+    def checked(logp, prox_lp, packed, *args, **kwargs):
+        with torch.no_grad():
+            separate = learner._logprobs(learner.model, packed)
+        assert prox_lp is not None and not prox_lp.requires_grad
+        assert torch.equal(prox_lp, separate)
+        seen.append(packed.input_ids.numel())
+        return real_loss(logp, prox_lp, packed, *args, **kwargs)
+
+    monkeypatch.setattr(tl, "microbatch_loss", checked)
+    groups = [_group([1.0, 0.0, 0.0, 1.0], 0), _group([0.0, 1.0, 1.0, 1.0], 2)]
+    out = learner.train_step(groups)
+    assert len(seen) == out["train/num_microbatches"] > 1  # several micro-batches, one step
+    assert out["train/ratio_mean"] == 1.0 and out["train/clip_frac_low"] == out["train/clip_frac_high"] == 0.0
+    out = learner.train_step(groups)  # and again after the weights moved
+    assert len(seen) == 2 * out["train/num_microbatches"]

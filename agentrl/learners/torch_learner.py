@@ -57,7 +57,9 @@ class TorchLearner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() and cfg.learner.num_gpus else "cpu"))
         torch.manual_seed(cfg.seed)
         self.model = load_hf_model(self.model_path, cfg.model.dtype, self.device)
-        self.model.train()
+        # Eval mode in every pass: no dropout, as in the engine that sampled the tokens (the IS
+        # ratios compare the same policy), and the training pass's logprobs are the proximal ones.
+        self.model.eval()
         self.ref_model = None
         if cfg.loss.kl.coef > 0:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -92,22 +94,21 @@ class TorchLearner:
         plan = plan_microbatches(samples, cfg.packing)[0]
         packs = [pack_samples(samples, mb, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id) for mb in plan]
 
-        prox: list[torch.Tensor | None] = [None] * len(packs)
         refs: list[torch.Tensor | None] = [None] * len(packs)
         t1 = time.perf_counter()
-        with torch.no_grad():
-            if cfg.loss.proximal == "recompute":
-                self.model.eval()
-                prox = [self._logprobs(self.model, p) for p in packs]
-                self.model.train()
-            if self.ref_model is not None:
+        if self.ref_model is not None:
+            with torch.no_grad():
                 refs = [self._logprobs(self.ref_model, p) for p in packs]
         t2 = time.perf_counter()
 
         self.optimizer.zero_grad(set_to_none=True)
         per_mb, total_loss = [], 0.0
-        for packed, prox_lp, ref_lp in zip(packs, prox, refs):
+        for packed, ref_lp in zip(packs, refs):
             logp = self._logprobs(self.model, packed)
+            # One optimizer step per batch: the weights before the step (pi_prox under "recompute")
+            # are the weights of this pass, so its own logprobs, detached, are the proximal ones;
+            # a separate no-grad pass would repeat the same forward (test_torch_learner.py).
+            prox_lp = logp.detach() if cfg.loss.proximal == "recompute" else None
             loss, metrics = microbatch_loss(
                 logp, prox_lp, _to_device(packed, self.device), cfg.loss,
                 num_tokens=num_tokens, num_sequences=num_sequences, ref_logprobs=ref_lp,
@@ -131,7 +132,7 @@ class TorchLearner:
             "train/num_microbatches": float(len(packs)),
             "train/optimizer_stepped": float(stepped),
             "train/version": float(self.version),
-            "timing/logprobs": t2 - t1,
+            "timing/logprobs": t2 - t1,  # the reference model's pass (KL), if any
             "timing/training": (t3 - t2) + (t1 - t0),
         })
         return out
@@ -141,12 +142,10 @@ class TorchLearner:
         """Per-token logprobs under the current weights (0.0 at each sequence's first token)."""
         from agentrl.packing import pack_sequences, unpack
 
-        self.model.eval()
         out: list[list[float]] = []
         for traj in trajectories:
             packed = pack_sequences([traj.token_ids], pad_id=self.pad_id)
             out.append([float(x) for x in unpack(self._logprobs(self.model, packed), packed)[0]])
-        self.model.train()
         return out
 
     def export_weights(self) -> dict[str, torch.Tensor]:
@@ -177,7 +176,6 @@ class TorchLearner:
             raise FileNotFoundError(f"{path} is not a learner checkpoint (needs model/ and learner_state.pt)")
         model = load_hf_model(path / "model", self.cfg.model.dtype, self.device)
         self.model.load_state_dict(model.state_dict())
-        self.model.train()
         state: dict[str, Any] = torch.load(state_file, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

@@ -77,7 +77,6 @@ class DecoderGraphs:
         self.max_graphs = max_graphs
         self.num_warmup_iters = num_warmup_iters
         self.graphed: dict[int, Any] = {}  # length -> graphed _DecoderCall
-        self.fused: dict[int, list[torch.nn.Parameter]] = {}  # length -> weights whose wgrad the graph adds to main_grad
         self.enabled = True
         self.decoder.forward = self._forward  # instance attribute: nn.Module.__call__ finds it first
 
@@ -105,18 +104,10 @@ class DecoderGraphs:
             with torch.enable_grad():  # the first call may be a no-grad pass; capture both directions
                 self.graphed[t] = torch.cuda.make_graphed_callables(
                     _DecoderCall(self.decoder, block), sample, num_warmup_iters=self.num_warmup_iters)
-            # Gradient-accumulation fusion (wgrad.py): the captured backward adds into main_grad,
-            # but the Python flag that tells DDP's hook so is set only at capture, not at replay.
-            self.fused[t] = [m.weight for m in self.decoder.modules() if getattr(m, "gradient_accumulation_fusion", False)]
-        out = self.graphed[t](*inputs)
-        if torch.is_grad_enabled():
-            for w in self.fused[t]:
-                w.grad_added_to_main_grad = True
-        return out
+        return self.graphed[t](*inputs)
 
     def reset(self) -> None:
         """Drop the captured graphs (their memory pools are freed with them)."""
         self.graphed.clear()
-        self.fused.clear()
         gc.collect()  # the graphed callables sit in reference cycles: free their pools now
         torch.cuda.empty_cache()

@@ -69,7 +69,6 @@ class _MicroBatch:
     params: PackedAttentionParams
     cu_padded: torch.Tensor  # [N+2] int32 on CPU, boundaries incl. the dummy document
     dummy: bool = False
-    prox: torch.Tensor | None = None
     ref: torch.Tensor | None = None
 
 
@@ -240,9 +239,6 @@ class MegatronLearner:
         mbs = [self._microbatch(pack_samples(samples, ix, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id)
                                 if ix else None) for ix in plan]
         t1 = time.perf_counter()
-        if cfg.loss.proximal == "recompute":
-            for mb, lp in zip(mbs, self._collect_logprobs(self.ddp, mbs) or [None] * len(mbs)):
-                mb.prox = lp
         if self.ref_model is not None:
             for mb, lp in zip(mbs, self._collect_logprobs(self.ref_model, mbs) or [None] * len(mbs)):
                 mb.ref = lp
@@ -251,7 +247,10 @@ class MegatronLearner:
 
         def loss_fn(mb: _MicroBatch, out: torch.Tensor) -> tuple[torch.Tensor, dict]:
             logp = self._token_logprobs(mb, out)
-            loss, metrics = microbatch_loss(logp, mb.prox, mb.packed, cfg.loss, num_tokens=num_tokens,
+            # One optimizer step per batch: pi_prox ("recompute") is the pre-step weights, i.e. this
+            # pass's own logprobs, detached; no separate forward-only pass over the batch.
+            prox = logp.detach() if cfg.loss.proximal == "recompute" else None
+            loss, metrics = microbatch_loss(logp, prox, mb.packed, cfg.loss, num_tokens=num_tokens,
                                             num_sequences=num_sequences, ref_logprobs=mb.ref)
             if mb.dummy:
                 loss = loss * 0.0
