@@ -1,0 +1,154 @@
+"""The driver loop with the real replay actor and stand-in engine, learner and rollout actors (no
+vLLM, no model: seconds): the refit runs beside the learner's next step without loosening the
+staleness bound. On-policy (max_staleness 0), no step may start before the engines serve the
+weights of the step before; with max_staleness > 0, steps do overlap the engines' weight load."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+import ray
+
+from agentrl.config import load_config
+from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+REFIT_S = 0.3  # how long a stand-in engine takes to load weights
+STEP_S = 0.1  # how long a stand-in learner step takes
+
+
+@ray.remote
+class _Engine:
+    def __init__(self) -> None:
+        self.version = 0
+        self.loads: list[tuple[int, float, float]] = []  # (version, start, end)
+
+    async def update_weights(self, weights: dict, version: int, mode: str) -> float:
+        assert weights["version"] == version, "the snapshot is not the one taken after that step"
+        t0 = time.time()
+        await asyncio.sleep(REFIT_S)
+        self.version = version
+        self.loads.append((version, t0, time.time()))
+        return REFIT_S
+
+    def get_version(self) -> int:
+        return self.version
+
+    def get_loads(self) -> list:
+        return self.loads
+
+
+@ray.remote
+class _Learner:
+    def __init__(self) -> None:
+        self.version = 0
+        self.steps: list[tuple[int, float]] = []  # (version after the step, start)
+
+    def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
+        self.steps.append((self.version + 1, time.time()))
+        time.sleep(STEP_S)
+        self.version += 1
+        return {"train/loss": 0.0, "train/num_sequences_trained": 0.0}
+
+    def export_weights(self) -> dict:
+        return {"version": self.version}
+
+    def save(self, path: str) -> None:
+        Path(path).mkdir(parents=True, exist_ok=True)
+
+    def get_steps(self) -> list:
+        return self.steps
+
+
+class _Group:
+    """What the trainer expects of a LearnerGroup: calls go to the one actor; ``actors`` lists it."""
+
+    def __init__(self, actor) -> None:
+        self.actors = [actor]
+        self._actor = actor
+
+    def __getattr__(self, name: str):
+        return getattr(self._actor, name)
+
+
+@ray.remote
+class _Rollout:
+    """Admits a group, samples it at the version its engine serves, puts it."""
+
+    def __init__(self, replay, engine) -> None:
+        self.replay, self.engine, self.stop_ = replay, engine, False
+
+    async def _worker(self) -> None:
+        while not self.stop_:
+            ticket = await self.replay.admit.remote()
+            version = await self.engine.get_version.remote()
+            await asyncio.sleep(0.02)
+            traj = Trajectory(token_ids=[1, 2, 3], loss_mask=[0, 1, 1], behavior_logprobs=[0.0, -1.0, -1.0],
+                              policy_versions=[-1, version, version], turn_spans=[(1, 3)], turn_rewards=[1.0])
+            await self.replay.put.remote(TrajectoryGroup(task_id="t", trajectories=[traj]), ticket)
+
+    async def run(self) -> None:
+        await asyncio.gather(*[self._worker() for _ in range(4)])
+
+    def stop(self) -> None:
+        self.stop_ = True
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()
+
+
+def _run(tmp_path: Path, max_staleness: int, steps: int = 6) -> tuple[list, list, list[dict]]:
+    from agentrl.actors.replay import ReplayActor
+    from agentrl.trainer import Trainer
+
+    cfg = load_config(None, [
+        f"run_dir={tmp_path / f'run{max_staleness}'}", f"replay.max_staleness={max_staleness}",
+        "replay.groups_per_step=2", "replay.capacity=16", f"train.num_steps={steps}",
+        "train.checkpoint_interval=0", "eval.num_episodes=0",
+    ])
+    trainer = Trainer(cfg, model_path="unused", progress=False)
+    trainer.replay = ReplayActor.remote(cfg.replay.capacity, max_staleness, cfg.replay.groups_per_step)
+    engine, trainer.learner = _Engine.remote(), _Group(_Learner.remote())
+    trainer.engines = [engine]
+    trainer.rollouts = [_Rollout.remote(trainer.replay, engine)]
+    trainer.actors_started = True
+    try:
+        trainer.run()
+        loads, learner_steps = ray.get(engine.get_loads.remote()), ray.get(trainer.learner.get_steps.remote())
+    finally:
+        trainer.shutdown()
+    rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return loads, learner_steps, [r for r in rows if "train/loss" in r]
+
+
+def test_on_policy_steps_wait_for_the_refit(tmp_path, ray_local):
+    loads, steps, rows = _run(tmp_path, max_staleness=0)
+    assert [v for v, _, _ in loads] == [1, 2, 3, 4, 5, 6]  # every version, in order, the last one too
+    done = {v: end for v, _, end in loads}
+    for version, start in steps[1:]:
+        assert start >= done[version - 1], f"step to version {version} started before the engines served {version - 1}"
+    for r in rows:
+        assert r["replay/staleness_max"] == 0 and r["replay/token_version_min"] == r["step"] - 1
+    # admission opened only once the engines served the new version: nothing was made stale
+    assert rows[-1]["replay/dropped_stale"] == 0
+
+
+def test_off_policy_steps_overlap_the_refit_within_the_bound(tmp_path, ray_local):
+    loads, steps, rows = _run(tmp_path, max_staleness=2, steps=8)
+    assert [v for v, _, _ in loads] == list(range(1, 9))
+    load_of = {v: (start, end) for v, start, end in loads}
+    # the step after version v starts while the engines are still loading v
+    overlapped = [v for v, start in steps[1:] if load_of[v - 1][0] <= start < load_of[v - 1][1]]
+    assert len(overlapped) >= len(steps) // 2, f"steps did not overlap the refit: {steps} {loads}"
+    assert all(r["replay/staleness_max"] <= 2 for r in rows) and rows[-1]["replay/dropped_stale"] == 0
+    assert max(r["timing/refit_wait"] for r in rows) < 2 * REFIT_S
