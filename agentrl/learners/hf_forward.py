@@ -46,7 +46,6 @@ __all__ = [
 PACKED_ATTENTION = "agentrl_packed"
 """Name under which the packed attention function is registered in transformers."""
 
-_compiled_flex: Any = None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,7 +193,7 @@ def _packed_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     # query [B, H, T, D], key/value [B, H_kv, T, D] -> ([B, T, H, D], no attention weights)
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import BlockMask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cu_seqlens = kwargs.get("cu_seq_lens_q")
@@ -217,12 +216,12 @@ def _packed_attention(
         raise NotImplementedError("packed attention does not support sliding-window layers")
     gqa = query.shape[1] != key.shape[1]
     if isinstance(attention_mask, BlockMask):
-        global _compiled_flex
-        if _compiled_flex is None:
-            _compiled_flex = torch.compile(flex_attention)
-        out = _compiled_flex(
-            query, key, value, block_mask=attention_mask, scale=scaling, enable_gqa=gqa
-        )
+        # Compiled for any length and grad mode, and never silently eager (eager FlexAttention
+        # materializes the [heads, T, T] scores): the Megatron learner's compiled kernels.
+        from agentrl.learners.megatron.compiled import flex_attention as compiled_flex
+
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = compiled_flex(query, key, value, attention_mask, scale)
     else:
         # split, not slicing: the backward of N slices builds N zero-filled [T]-long gradients.
         sizes = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
