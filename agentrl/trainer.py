@@ -7,6 +7,7 @@ staleness bound); the driver takes batches, has the learner step, refits the eng
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -254,10 +255,8 @@ class Trainer:
         return {f"final/{k}": v for k, v in last.items() if isinstance(v, (int, float))}
 
     def shutdown(self) -> None:
-        try:
+        with contextlib.suppress(Exception):  # shutting down anyway; the loop raised what mattered
             self._wait_refit()
-        except Exception:
-            pass  # shutting down anyway; the loop already raised what mattered
         self._refit_pool.shutdown(wait=True)
         if self.actors_started:
             for actor in [*getattr(self, "rollouts", []), *self.engines, *self.learner.actors, self.replay]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Megatron learner on the device machine. Usage (from the repo root, with .whl carried):
-#   bash bench/device_megatron.sh check   # GPU tests (1 GPU: HF parity, train step, save/load)
+#   bash bench/device_megatron.sh check   # GPU tests (1 GPU: HF parity, train step, save/load; Qwen2, Qwen3, Llama)
 #   bash bench/device_megatron.sh bench   # bench/learner.py (Megatron vs torch backend)
 #   bash bench/device_megatron.sh tp2     # TP=2 vs TP=1 logprobs (2 GPUs)
 #   bash bench/device_megatron.sh cp2     # bench/megatron_cp.py: CP=2 (2 GPUs) vs CP=1 (1 GPU) at 16k tokens,
@@ -26,7 +26,7 @@ rc=0
 for step in "$@"; do
   case $step in
     check) python3 -m pytest -q -x -p no:cacheprovider tests/test_megatron_gpu.py -k "hf" -rA 2>&1 | tee "$OUT/check.log" || rc=1
-           find /tmp/pytest-of-*/ -name hf.json -exec cp {} "$OUT/hf.json" \; 2>/dev/null ;;
+           find /tmp/pytest-of-*/ -name 'hf_*.json' -exec cp {} "$OUT/" \; 2>/dev/null ;;
     bench) python3 -m torch.distributed.run --standalone --nproc-per-node 1 bench/learner.py --out "$OUT/bench.json" --profile "$OUT/profile.txt" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" || rc=1 ;;
     tp2)   python3 -m pytest -q -x -p no:cacheprovider tests/test_megatron_gpu.py -k "tensor_parallel" -rA 2>&1 | tee "$OUT/tp2.log" || rc=1 ;;
     cp2)   W=/tmp/mcp; ONE="RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1"

@@ -1,6 +1,7 @@
 """GPU correctness checks of the Megatron learner (run under torchrun; used by tests/test_megatron_gpu.py).
 
-Modes (all on a random Qwen2-shape model written to ``--workdir`` as an HF checkpoint, bf16):
+Modes (all on a random model written to ``--workdir`` as an HF checkpoint, bf16; Qwen2 unless
+``--family qwen3`` or ``llama``):
 
 * ``hf``: (world 1) packed logprobs vs Hugging Face (bf16 SDPA, and float32 as the truth); one
   ``train_step`` vs the torch learner on the same batch (loss, grad norm); save -> step -> load
@@ -29,15 +30,25 @@ SHAPE = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidd
 LENGTHS = [700, 1500, 37, 1200, 333, 2048, 90]
 
 
-def make_model_dir(path: Path) -> Path:
-    """A random Qwen2-shape HF checkpoint (bf16 safetensors), made once per workdir."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+FAMILIES = ("qwen2", "qwen3", "llama")
+
+
+def make_model_dir(path: Path, family: str = "qwen2") -> Path:
+    """A random HF checkpoint of ``SHAPE`` (bf16 safetensors), made once per workdir: Qwen2 (QKV
+    bias, tied embedding), Qwen3 (q/k RMSNorm, no bias, tied) or Llama (untied LM head)."""
+    import transformers
 
     if (path / "config.json").exists():
         return path
+    config_cls, model_cls, extra = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": SHAPE["hidden_size"] // SHAPE["num_attention_heads"]}),
+        "llama": ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+    }[family]
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(**SHAPE)).to(torch.bfloat16)
-    with torch.no_grad():  # non-trivial norms and biases
+    hf_config = getattr(transformers, config_cls)(**{**SHAPE, **extra})
+    model = getattr(transformers, model_cls)(hf_config).to(torch.bfloat16)
+    with torch.no_grad():  # non-trivial norms (q/k norms included) and biases
         for name, p in model.named_parameters():
             if "norm" in name or "bias" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -97,7 +108,7 @@ def check_hf(args: argparse.Namespace) -> dict:
     from agentrl.learners.megatron.learner import MegatronLearner
     from agentrl.learners.torch_learner import TorchLearner
 
-    model_dir = make_model_dir(Path(args.workdir) / "model")
+    model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
     groups = make_trajectories()
     trajs = [t for g in groups for t in g.trajectories]
     cfg = config(model_dir, attention=args.attention)
@@ -111,7 +122,7 @@ def check_hf(args: argparse.Namespace) -> dict:
         d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
         return float(d.max()), float(d.mean())
 
-    res: dict = {"lengths": [len(t) for t in trajs]}
+    res: dict = {"family": args.family, "lengths": [len(t) for t in trajs]}
     res["mega_vs_fp32_max"], res["mega_vs_fp32_mean"] = err(mega, ref32)
     res["hfbf16_vs_fp32_max"], res["hfbf16_vs_fp32_mean"] = err(ref16, ref32)
     res["mega_vs_hfbf16_max"], res["mega_vs_hfbf16_mean"] = err(mega, ref16)
@@ -158,6 +169,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--attention", default="flex")
+    ap.add_argument("--family", choices=FAMILIES, default="qwen2", help="model family of the random checkpoint (hf mode)")
     args = ap.parse_args()
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     if args.mode == "hf":

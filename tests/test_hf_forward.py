@@ -180,6 +180,41 @@ def test_packed_logprobs_match_each_sequence_alone_in_float32():
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
 
 
+def _tiny(family: str, seed: int):
+    import transformers
+
+    torch.manual_seed(seed)
+    kw: dict = {"vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512,
+                "attn_implementation": "sdpa"}
+    if family == "qwen3":
+        kw["head_dim"] = 16
+    if family == "mistral":
+        kw["sliding_window"] = None  # packed attention refuses sliding-window layers
+    cls = {"llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+    model = getattr(transformers, f"{cls}ForCausalLM")(getattr(transformers, f"{cls}Config")(**kw))
+    with torch.no_grad():  # non-trivial norms (Qwen3's q/k norms too)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "mistral"])
+def test_packed_logprobs_of_other_families_match_each_sequence_alone(family):
+    # Llama's decoder builds its mask with create_causal_mask directly (no per-layer-type mapping),
+    # Qwen3 and Mistral take the mapping: the packed path must serve both.
+    model = _tiny(family, seed=6)
+    torch.manual_seed(6)
+    seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in (23, 4, 70, 1)]
+    batch = pack_sequences(seqs, pad_multiple=8)
+    with torch.no_grad():
+        packed = unpack(packed_token_logprobs(model, batch, chunk_size=32), batch)
+        alone = [padded_token_logprobs(model, [s])[0] for s in seqs]
+    for a, b in zip(packed, alone):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
 def test_without_the_document_mask_sequences_would_leak_into_each_other():
     # Shows the test above can fail: transformers' own packed-position_ids detection is disabled
     # when forward creates a cache (use_cache defaults to True), so sequences attend across.

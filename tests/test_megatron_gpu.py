@@ -1,6 +1,7 @@
 """Megatron learner on GPUs (device machine): each test runs bench/megatron_check.py under torchrun.
 
-* logprobs of a converted Qwen2-shape model equal HF's within bf16 tolerance on packed input;
+* logprobs of a converted model (Qwen2, Qwen3 with q/k norms, Llama with an untied head) equal
+  HF's within bf16 tolerance on packed input;
 * one train_step gives the torch learner's loss on the same batch; save/load round trip;
 * TP=2 gives TP=1's logprobs (needs 2 GPUs).
 """
@@ -28,9 +29,10 @@ def _run(nproc: int, *args: str) -> None:
 
 
 @needs_cuda
-def test_megatron_matches_hf_and_torch_learner(tmp_path: Path) -> None:
-    out = tmp_path / "hf.json"
-    _run(1, "--mode", "hf", "--workdir", str(tmp_path), "--out", str(out))
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "llama"])
+def test_megatron_matches_hf_and_torch_learner(tmp_path: Path, family: str) -> None:
+    out = tmp_path / f"hf_{family}.json"
+    _run(1, "--mode", "hf", "--family", family, "--workdir", str(tmp_path), "--out", str(out))
     r = json.loads(out.read_text())
     # bf16 vs the float32 truth: no worse than HF's own bf16 forward (plus a little slack).
     assert r["mega_vs_fp32_mean"] < 1.5 * r["hfbf16_vs_fp32_mean"] + 1e-3, r

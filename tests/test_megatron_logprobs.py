@@ -27,14 +27,19 @@ def test_matches_log_softmax_and_its_gradient(keep_grad_logits: bool, chunk_size
     assert not got[1][20:].any()  # padding rows get no gradient
 
 
+_CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                         reason="needs CUDA")])
+
+
+@pytest.mark.parametrize("device", ["cpu", _CUDA])  # on CUDA the fused head runs compiled kernels
 @pytest.mark.parametrize("keep_grad_logits", [False, True])
 @pytest.mark.parametrize("temperature", [0.7, 1.0])
-def test_fused_equals_unfused_in_bf16(keep_grad_logits: bool, temperature: float) -> None:
+def test_fused_equals_unfused_in_bf16(keep_grad_logits: bool, temperature: float, device: str) -> None:
     g = torch.Generator().manual_seed(3)
-    hidden = torch.randn(53, 32, generator=g).bfloat16()
-    weight = (0.3 * torch.randn(40, 32, generator=g)).bfloat16()  # 4 padding rows
-    labels = torch.randint(0, 36, (53,), generator=g)
-    up = torch.randn(53, generator=g)
+    hidden = torch.randn(53, 32, generator=g).bfloat16().to(device)
+    weight = (0.3 * torch.randn(40, 32, generator=g)).bfloat16().to(device)  # 4 padding rows
+    labels = torch.randint(0, 36, (53,), generator=g).to(device)
+    up = torch.randn(53, generator=g).to(device)
     results = []
     for fused in (False, True):
         h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()

@@ -109,6 +109,7 @@ def ray_local():
 
 def _run(tmp_path: Path, max_staleness: int, steps: int = 6) -> tuple[list, list, list[dict]]:
     from agentrl.actors.replay import ReplayActor
+
     from agentrl.trainer import Trainer
 
     cfg = load_config(None, [

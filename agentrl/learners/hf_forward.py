@@ -4,16 +4,17 @@ How the per-document mask reaches the model (transformers 5.x): the model's atte
 implementation is switched to :data:`PACKED_ATTENTION`, a function registered in transformers'
 ``AttentionInterface`` (with ``sdpa_mask`` as its mask builder, so ordinary unpacked calls such
 as generation or a right-padded batch behave exactly like ``"sdpa"``). For a packed call the
-decoder body gets ``position_ids`` that restart per sequence and a ready mask mapping
-(``attention_mask={"full_attention": ...}``), which makes transformers skip its own mask
-construction:
+decoder body gets ``position_ids`` that restart per sequence and the document mask itself, and
+transformers builds no mask of its own (a 4-D mask is passed through as is, and during the call
+the registered mask builder returns none); this works whether the decoder takes a mask per layer
+type (Qwen2/3, Mistral) or calls ``create_causal_mask`` itself (Llama):
 
-* on CPU the mapping holds ``None`` and the sequence boundaries travel as the
+* on CPU the mask is ``None`` and the sequence boundaries travel as the
   ``cu_seq_lens_q/k`` keyword arguments (the names of transformers' ``FlashAttentionKwargs``);
   attention runs ``scaled_dot_product_attention(is_causal=True)`` on each document's slice, so
   cost is Σ len² instead of T² and no ``[T, T]`` mask exists (FlexAttention has no CPU backward,
   and a dense 4-D block-diagonal mask was 2.9× slower here);
-* on CUDA the mapping holds a FlexAttention ``BlockMask`` (document-causal), run by compiled
+* on CUDA the mask is a FlexAttention ``BlockMask`` (document-causal), run by compiled
   ``flex_attention``, which skips the masked blocks.
 
 Passing packed ``position_ids`` alone is not enough: transformers only derives a packed mask
@@ -28,6 +29,7 @@ chunk's logits, so only ``[chunk_size, vocab]`` is alive at a time.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -42,6 +44,8 @@ __all__ = [
     "packed_token_logprobs",
     "padded_token_logprobs",
 ]
+
+_IN_PACKED_CALL: ContextVar[bool] = ContextVar("agentrl_in_packed_call", default=False)
 
 PACKED_ATTENTION = "agentrl_packed"
 """Name under which the packed attention function is registered in transformers."""
@@ -253,7 +257,13 @@ def enable_packed_attention(model: torch.nn.Module) -> None:
 
     if PACKED_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
-        AttentionMaskInterface.register(PACKED_ATTENTION, sdpa_mask)
+
+        def packed_or_sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+            # Inside packed_token_logprobs the attention masks by documents itself (BlockMask or
+            # cu_seqlens): transformers must build no mask of its own; elsewhere, sdpa's.
+            return None if _IN_PACKED_CALL.get() else sdpa_mask(*args, **kwargs)
+
+        AttentionMaskInterface.register(PACKED_ATTENTION, packed_or_sdpa_mask)
     if model.config._attn_implementation != PACKED_ATTENTION:
         model.set_attn_implementation(PACKED_ATTENTION)
     if model.config._attn_implementation != PACKED_ATTENTION:
@@ -286,10 +296,6 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def _mask_mapping(model: torch.nn.Module, mask: Any) -> dict[str, Any]:
-    # A dict makes transformers use these masks as given (one entry per layer type).
-    return {t: mask for t in set(getattr(model.config, "layer_types", None) or ["full_attention"])}
-
 
 def _scores_at(
     hidden: torch.Tensor,
@@ -312,8 +318,9 @@ def packed_token_logprobs(
     """Per-token logprobs of a packed micro-batch, each sequence attending only to itself.
 
     The model is switched to :data:`PACKED_ATTENTION` on first use (see
-    :func:`enable_packed_attention`). Works with models that follow transformers 5's mask-mapping
-    convention (Llama, Qwen2/2.5/3, Mistral, ...).
+    :func:`enable_packed_attention`). Works with transformers 5 decoders that build their masks
+    with ``create_causal_mask`` (Llama, Qwen2/2.5/3, Mistral without sliding window, ...; tested
+    in tests/test_hf_forward.py).
 
     Args:
         model: A transformers causal LM (e.g. ``Qwen2ForCausalLM``).
@@ -351,13 +358,20 @@ def packed_token_logprobs(
             "max_length_k": batch.max_seqlen,
         }
     body = model.get_decoder()
-    hidden = body(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
-        attention_mask=_mask_mapping(model, mask),
-        use_cache=False,
-        **extra,
-    ).last_hidden_state[0]  # [T, H]
+    # The mask goes in as is: transformers returns a 4-D mask (the BlockMask) unchanged, and with
+    # none (CPU) the packed mask function above builds none, whether the decoder takes a mapping
+    # per layer type (Qwen2/3, Mistral) or calls create_causal_mask itself (Llama).
+    token = _IN_PACKED_CALL.set(True)
+    try:
+        hidden = body(
+            input_ids=batch.input_ids,
+            position_ids=batch.position_ids,
+            attention_mask=mask,
+            use_cache=False,
+            **extra,
+        ).last_hidden_state[0]  # [T, H]
+    finally:
+        _IN_PACKED_CALL.reset(token)
     keep = batch.real_mask()[0] & (batch.position_ids[0] > 0)
     return _scores_at(
         hidden,
