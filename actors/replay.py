@@ -87,3 +87,6 @@ class ReplayActor:
         async with self.cond:
             self.queue.load_state_dict(state)
             self.cond.notify_all()
+
+    def node_id(self) -> str:
+        return ray.get_runtime_context().get_node_id()

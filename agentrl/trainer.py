@@ -69,6 +69,8 @@ class Trainer:
 
     # -- actors -----------------------------------------------------------------------------------
     def start(self) -> None:
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
         from agentrl.actors.engine import EngineActor
         from agentrl.actors.learner import LearnerGroup
         from agentrl.actors.replay import ReplayActor
@@ -83,7 +85,10 @@ class Trainer:
                 log_to_driver=os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
                 configure_logging=False,
             )
-        self.replay = ReplayActor.options(num_cpus=0).remote(
+        # The replay queue (and the staged weights) lives on the driver's node: it holds the run's
+        # in-flight state, and a node that holds an engine may go away (tests/test_cluster.py).
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.replay = ReplayActor.options(num_cpus=0, scheduling_strategy=here).remote(
             cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step,
             wait_for_stragglers=cfg.replay.wait_for_stragglers,
         )

@@ -4,6 +4,7 @@ training: Ray restarts the engine on the spare node, which loads the current wei
 
 import threading
 import time
+import traceback
 
 import pytest
 
@@ -56,6 +57,8 @@ def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
             "rollout": ray.get(trainer.rollouts[0].node_id.remote()),
         }
         assert len(set(nodes.values())) == 3, nodes
+        # the replay queue stays beside the driver, off the node that is about to go
+        assert ray.get(trainer.replay.node_id.remote()) == ray.get_runtime_context().get_node_id()
         thread = threading.Thread(target=train, daemon=True)
         thread.start()
         deadline = time.time() + 300
@@ -67,7 +70,8 @@ def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
         step_at_removal = max(r.get("step", 0) for r in read_rows(run_dir))
         assert step_at_removal < STEPS, "training finished before the node was removed"
         thread.join(timeout=480)
-        assert not thread.is_alive() and not errors, errors
+        assert not thread.is_alive() and not errors, (
+            "".join(traceback.format_exception(errors[0])) if errors else "training still running")
         new_node = ray.get(trainer.engines[0].node_id.remote())
         assert new_node != nodes["engine"], "the engine was not restarted on another node"
         assert ray.get(trainer.engines[0].version.remote()) == trainer.version == STEPS
