@@ -168,16 +168,19 @@ def test_packed_and_padded_forward_give_equal_logprobs_and_loss_gradients(
     assert (packed[~batch.real_mask()[0]] == 0).all()
 
 
-def test_packed_logprobs_match_each_sequence_alone_in_float32():
-    model = _tiny_qwen2(torch.float32, seed=3)
-    torch.manual_seed(3)
-    seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in (37, 5, 120, 1, 64)]
+def _assert_packed_equals_alone(model, lengths: tuple[int, ...], seed: int) -> None:
+    torch.manual_seed(seed)
+    seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in lengths]
     batch = pack_sequences(seqs, pad_multiple=8)
     with torch.no_grad():
         packed = unpack(packed_token_logprobs(model, batch, chunk_size=32), batch)
         alone = [padded_token_logprobs(model, [s])[0] for s in seqs]
     for a, b in zip(packed, alone):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+
+
+def test_packed_logprobs_match_each_sequence_alone_in_float32():
+    _assert_packed_equals_alone(_tiny_qwen2(torch.float32, seed=3), (37, 5, 120, 1, 64), seed=3)
 
 
 def _tiny(family: str, seed: int):
@@ -204,15 +207,7 @@ def _tiny(family: str, seed: int):
 def test_packed_logprobs_of_other_families_match_each_sequence_alone(family):
     # Llama's decoder builds its mask with create_causal_mask directly (no per-layer-type mapping),
     # Qwen3 and Mistral take the mapping: the packed path must serve both.
-    model = _tiny(family, seed=6)
-    torch.manual_seed(6)
-    seqs = [torch.randint(0, VOCAB, (n,)).tolist() for n in (23, 4, 70, 1)]
-    batch = pack_sequences(seqs, pad_multiple=8)
-    with torch.no_grad():
-        packed = unpack(packed_token_logprobs(model, batch, chunk_size=32), batch)
-        alone = [padded_token_logprobs(model, [s])[0] for s in seqs]
-    for a, b in zip(packed, alone):
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=2e-5)
+    _assert_packed_equals_alone(_tiny(family, seed=6), (23, 4, 70, 1), seed=6)
 
 
 def test_without_the_document_mask_sequences_would_leak_into_each_other():
