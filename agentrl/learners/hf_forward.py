@@ -51,7 +51,6 @@ PACKED_ATTENTION = "agentrl_packed"
 """Name under which the packed attention function is registered in transformers."""
 
 
-
 # ----------------------------------------------------------------------------------------------
 # Chunked logprobs
 # ----------------------------------------------------------------------------------------------
@@ -294,7 +293,6 @@ def _lm_head_weight(model: torch.nn.Module) -> torch.Tensor:
 
 def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
-
 
 
 def _scores_at(
