@@ -28,6 +28,7 @@ __all__ = [
     "LossConfig",
     "MegatronConfig",
     "ModelConfig",
+    "TinyModelConfig",
     "PackingConfig",
     "RefitConfig",
     "ReplayConfig",
@@ -49,11 +50,33 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+class TinyModelConfig(Section):
+    hidden_size: int = Field(128, ge=8)
+    """Width of the tiny model that model.bootstrap_tiny creates."""
+    num_layers: int = Field(4, ge=1)
+    """Decoder layers of the tiny model."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads (hidden_size must be a multiple)."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention; num_heads must be a multiple)."""
+    intermediate_size: int = Field(384, ge=8)
+    """MLP width."""
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads}), "
+                             f"and num_heads of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
 class ModelConfig(Section):
     path: str = ".cache/tiny-model"
     """Hugging Face-format model directory (config.json, safetensors, tokenizer)."""
     bootstrap_tiny: bool = False
     """Create a tiny random Qwen2 model at `path` when it does not exist (`agentrl bootstrap-tiny`)."""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """Size of the model bootstrap_tiny creates (the GPU recipe uses a larger one)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of learner and engines. float32 on CPU keeps engine/learner logprobs equal."""
 
