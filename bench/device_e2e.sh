@@ -13,7 +13,7 @@ set -o pipefail
 [ -e agentrl/envs ] || ln -s ../envs agentrl/envs
 [ -e agentrl/actors ] || ln -s ../actors agentrl/actors
 export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader

@@ -74,6 +74,11 @@ def engine_run(tiny_model_dir):
 
         try:
             out["original"] = await greedy()
+            for temp in (1.0, 0.7):  # behaviour logprobs as sampled, for the temperature check
+                out[f"sampled_t{temp}"] = [await eng.generate(list(range(5 + k, 45 + k)), max_tokens=48,
+                                                              temperature=temp, ignore_eos=True)
+                                           for k in range(4)]
+            out["scored"] = await eng.score(list(range(5, 45)) + out["sampled_t1.0"][0].token_ids)
             out["refit_perturbed_s"] = await refit(_weights(tiny_model_dir, noise=0.5), 1)
             out["perturbed"] = await greedy()
             out["refit_restore_s"] = await refit(_weights(tiny_model_dir, noise=0.0), 2)
@@ -103,6 +108,35 @@ def test_cuda_ipc_refit_changes_and_restores_greedy_output(engine_run):
     assert r["restored"] == r["original"], "refitting the original weights did not restore the output"
 
 
+def test_engine_logprobs_are_the_sampling_distributions(engine_run, tiny_model_dir):
+    """The engine's logprobs of sampled tokens equal log_softmax(logits / T) of the same weights
+    (HF, float32) within bf16 rounding at T = 1 and T = 0.7, and its prompt scores at T = 1: the
+    behaviour logprobs the learner's IS correction compares against mean what it assumes."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).cuda().eval()
+
+    def hf(ids: list[int], temp: float) -> list[float]:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids], device="cuda")).logits[0].float() / temp
+        lp = torch.log_softmax(logits, -1)
+        return [0.0] + [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+
+    stats = {}
+    for temp in (1.0, 0.7):
+        diffs = []
+        for k, res in enumerate(engine_run[f"sampled_t{temp}"]):
+            prompt = list(range(5 + k, 45 + k))
+            ref = hf(prompt + res.token_ids, temp)[len(prompt):]
+            diffs += [abs(a - b) for a, b in zip(res.logprobs, ref)]
+        stats[f"sampled_T{temp}_mean_abs"] = sum(diffs) / len(diffs)
+    ids = list(range(5, 45)) + engine_run["sampled_t1.0"][0].token_ids
+    ref = hf(ids, 1.0)
+    stats["scored_T1_mean_abs"] = sum(abs(a - b) for a, b in zip(engine_run["scored"][1:], ref[1:])) / (len(ids) - 1)
+    _report("engine_vs_hf_fp32_logprobs", stats)
+    assert all(v < 0.02 for v in stats.values()), stats
+
+
 def test_sleep_releases_and_restores_engine_memory(engine_run):
     r = engine_run
     _report("engine_memory_gib", {k: round(r[k], 2) for k in
@@ -118,14 +152,40 @@ def test_sleep_releases_and_restores_engine_memory(engine_run):
     assert r["version"] == 3
 
 
+def _engine_vs_learner(trainer, temperature: float) -> dict[str, float]:
+    """Tokens sampled by the engine at the training temperature, with its logprobs (the behaviour
+    logprobs the IS correction uses), scored again by the learner: mean/max |diff| and the k3
+    estimate of KL(engine || learner) per token."""
+    import ray
+
+    from agentrl.trajectory import Trajectory
+
+    engine = trainer.engines[0]
+    prompts = [list(range(5 + k, 45 + k)) for k in range(8)]
+    samples = ray.get([engine.generate.remote(p, 64, temperature, 1.0) for p in prompts])
+    trajs = [Trajectory(token_ids=p + s.token_ids, loss_mask=[0] * len(p) + [1] * len(s.token_ids),
+                        behavior_logprobs=[0.0] * len(p) + s.logprobs, policy_versions=[-1] * len(p) + s.versions)
+             for p, s in zip(prompts, samples)]
+    learner_lp = ray.get(trainer.learner.logprobs.remote(trajs))
+    diffs, kl_terms = [], []
+    for t, lrn in zip(trajs, learner_lp):
+        for i, m in enumerate(t.loss_mask):
+            if m:
+                d = t.behavior_logprobs[i] - lrn[i]
+                diffs.append(abs(d))
+                kl_terms.append(torch.expm1(torch.tensor(-d)).item() + d)
+    versions = {v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m}
+    return {"tokens": len(diffs), "mean_abs": sum(diffs) / len(diffs), "max_abs": max(diffs),
+            "mismatch_kl_k3": sum(kl_terms) / len(kl_terms), "versions": sorted(versions)}
+
+
 def test_colocated_pipeline_engine_matches_megatron_learner(tiny_model_dir, tmp_path):
     """engine + Megatron learner on one GPU, 3 steps with CUDA-IPC refits, engine asleep during
-    each step; then the engine's and the learner's logprobs of sampled trajectories agree."""
+    each step; before and after, the engine's and the learner's logprobs of sampled tokens agree."""
     import ray
 
     from agentrl.config import load_config
     from agentrl.trainer import Trainer
-    from agentrl.trajectory import Trajectory
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", [
         f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "sft.enabled=false",
@@ -136,33 +196,19 @@ def test_colocated_pipeline_engine_matches_megatron_learner(tiny_model_dir, tmp_
     try:
         trainer.start()
         assert trainer.transport == "cuda_ipc" and trainer.sleeping_engines
+        before = _engine_vs_learner(trainer, cfg.rollout.temperature)
+        before_t1 = _engine_vs_learner(trainer, 1.0)
         summary = trainer.run()
-        engine = trainer.engines[0]
-        # Tokens sampled by the refitted engine at the training temperature, with its logprobs
-        # (the behaviour logprobs the IS correction uses), scored again by the learner.
-        prompts = [list(range(5 + k, 45 + k)) for k in range(8)]
-        samples = ray.get([engine.generate.remote(p, 64, cfg.rollout.temperature, 1.0) for p in prompts])
-        trajs = [Trajectory(token_ids=p + s.token_ids, loss_mask=[0] * len(p) + [1] * len(s.token_ids),
-                            behavior_logprobs=[0.0] * len(p) + s.logprobs, policy_versions=[-1] * len(p) + s.versions)
-                 for p, s in zip(prompts, samples)]
-        learner_lp = ray.get(trainer.learner.logprobs.remote(trajs))
-        assert ray.get(engine.version.remote()) == trainer.version == 3
-        assert all(v == 3 for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m)
+        after = _engine_vs_learner(trainer, cfg.rollout.temperature)
+        assert ray.get(trainer.engines[0].version.remote()) == trainer.version == 3
     finally:
         trainer.shutdown()
         ray.shutdown()
-    diffs, kl_terms = [], []
-    for t, lrn in zip(trajs, learner_lp):
-        for i, m in enumerate(t.loss_mask):
-            if m:
-                d = t.behavior_logprobs[i] - lrn[i]
-                diffs.append(abs(d))
-                kl_terms.append(torch.expm1(torch.tensor(-d)).item() + d)  # k3 of KL(engine || learner)
-    mean_abs = sum(diffs) / len(diffs)
-    kl = sum(kl_terms) / len(kl_terms)
-    _report("engine_vs_megatron_logprobs", {"tokens": len(diffs), "mean_abs": mean_abs, "max_abs": max(diffs),
-                                            "mismatch_kl_k3": kl})
+    _report("engine_vs_megatron_logprobs", {"before_training": before, "before_training_engine_T1": before_t1,
+                                            "after_3_refits": after})
     _report("colocated_steps", {k: summary.get(f"final/{k}") for k in
                                 ("timing/learner_step", "timing/refit", "timing/engine_sleep", "timing/step")})
+    assert after["versions"] == [3]
     # bf16 engine (FlashAttention) vs bf16 Megatron (FlexAttention): rounding, nothing structural.
-    assert mean_abs < 0.05 and kl < 0.01, (mean_abs, kl)
+    for r in (before, after):
+        assert r["mean_abs"] < 0.05 and r["mismatch_kl_k3"] < 0.01, r
