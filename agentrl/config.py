@@ -7,6 +7,7 @@ Every model rejects unknown keys, and every error names the dotted path of the f
 from __future__ import annotations
 
 import difflib
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -125,20 +126,25 @@ class ReplayConfig(Section):
 
 
 class ImportanceSamplingConfig(Section):
-    type: Literal["none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "gspo"] = (
-        "token_tis"
-    )
-    """Correction of the gap between the proximal policy and the behaviour policy (engine).
-    token_tis: per-token weight min(ratio, cap); seq_tis: product of token ratios, truncated;
-    seq_tis_geo: geometric mean, truncated; token_mask: drop tokens whose ratio is outside
-    [low, high] (icepop); seq_mask_geo: drop sequences whose geometric-mean ratio is outside
-    [low, high]; gspo: GSPO's sequence-level (geometric-mean) policy ratio."""
+    type: Literal[
+        "none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "icepop", "seq_icepop", "gspo"
+    ] = "token_tis"
+    """Correction of the gap between the proximal policy and the behaviour policy (engine), with
+    ratio = pi_prox / mu per token. token_tis: per-token weight min(ratio, cap); seq_tis: product of
+    the sequence's token ratios, truncated; seq_tis_geo: their geometric mean, truncated;
+    token_mask: rejection sampling: a token whose ratio is outside [low, high] gets weight 0, a kept
+    one weight 1; seq_mask_geo: the same per sequence, by the geometric-mean ratio; icepop (IcePop,
+    NeMo-RL's icepop): tokens outside [low, high] get 0, a kept token its own ratio, truncated at cap;
+    seq_icepop (NeMo-RL's seq-mask-tis): sequences whose geometric-mean ratio is outside [low, high]
+    get 0, each token of a kept one its own ratio, truncated at cap; gspo: GSPO's sequence-level
+    (geometric-mean) policy ratio, corrected like seq_tis_geo."""
     cap: float = Field(2.0, gt=0)
-    """Truncation cap C for the *_tis types."""
+    """Truncation cap C of the *_tis, icepop and seq_icepop weights (gspo's too). With cap >= high,
+    icepop and seq_icepop weight kept tokens by their untruncated ratio, as NeMo-RL does."""
     low: float = Field(0.5, ge=0)
-    """Lower bound of the kept band for the *_mask types."""
+    """Lower bound of the kept band of token_mask, seq_mask_geo, icepop and seq_icepop."""
     high: float = Field(2.0, gt=0)
-    """Upper bound of the kept band for the *_mask types."""
+    """Upper bound of the kept band of token_mask, seq_mask_geo, icepop and seq_icepop."""
 
     @model_validator(mode="after")
     def _band(self) -> "ImportanceSamplingConfig":
@@ -176,11 +182,26 @@ class AdvantageConfig(Section):
     """grpo: reward minus group mean (over std if normalize_std); rloo: leave-one-out mean
     baseline; dr_grpo: group mean only, no std (pair with seq_mean_token_sum)."""
     normalize_std: bool = True
-    """GRPO only: divide by the group's reward standard deviation."""
+    """GRPO only: divide by the group's reward standard deviation (see std)."""
+    std: Literal["population", "sample"] = "population"
+    """Which standard deviation GRPO divides by (with normalize_std): population (divide the
+    squared deviations by G) or sample (by G - 1, Bessel-corrected, as verl and NeMo-RL do).
+    Rewards [1, 0] give advantages +-1.0 with population and +-0.707 with sample. No effect on
+    rloo, dr_grpo or without normalize_std."""
     turn_discount: float = Field(1.0, ge=0, le=1)
     """Discount of later turns' rewards for turn-level credit; 1.0 = whole-episode return."""
     eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
+
+    @model_validator(mode="after")
+    def _std_has_effect(self) -> "AdvantageConfig":
+        if "std" in self.model_fields_set and (self.estimator != "grpo" or not self.normalize_std):
+            warnings.warn(
+                f"advantage.std={self.std} has no effect with estimator={self.estimator}, "
+                f"normalize_std={self.normalize_std} (only grpo with normalize_std divides by a std)",
+                stacklevel=2,
+            )
+        return self
 
 
 class PackingConfig(Section):
