@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 __all__ = [
     "AdvantageConfig",
     "ClusterConfig",
     "Config",
     "ConfigError",
+    "FAST_OPTIONS",
     "EngineConfig",
     "EnvConfig",
     "EvalConfig",
@@ -36,6 +37,7 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "load_config",
+    "resolve_fast_options",
 ]
 
 
@@ -235,23 +237,67 @@ class MegatronConfig(Section):
     attention: Literal["flex", "sdpa", "te"] = "flex"
     """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
     TransformerEngine's when it is importable."""
-    cuda_graphs: bool = False
+    cuda_graphs: bool | Literal["auto"] = "auto"
     """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
     launch overhead that dominates at small micro-batches. Every micro-batch is padded to
     packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
     or context parallelism and no activation checkpointing. The graph's activations stay
-    allocated between steps."""
-    keep_grad_logits: bool = False
+    allocated between steps (set false when memory is short). auto (the default): on exactly where
+    it can run (the conditions above), off elsewhere; true/false force it."""
+    keep_grad_logits: bool | Literal["auto"] = "auto"
     """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
     the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
-    and a 152k vocabulary)."""
-    fused_logprobs: bool = False
+    and a 152k vocabulary; divided by the tensor and context parallel degrees). auto (the
+    default): on unless activation_checkpointing (which asks for memory over speed); true/false
+    force it."""
+    fused_logprobs: bool | Literal["auto"] = "auto"
     """Make the logprob head's softmax work (logsumexp, label logprob, d logp / d logits) with
     compiled one-pass kernels over the bf16 logits instead of float32 chunk tensors. Same math,
-    another reduction order; no effect under tensor parallelism or with float32 weights."""
-    flex_expand_kv: bool = False
+    another reduction order; no effect under tensor parallelism (the learner's weights are always
+    bf16/fp16). auto (the default): on without tensor parallelism; true/false force it."""
+    flex_expand_kv: bool | Literal["auto"] = "auto"
     """attention=flex with grouped-query attention: repeat K/V to the query heads before
-    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch."""
+    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch. No
+    effect with attention sdpa/te or context parallelism (which has its own attention path).
+    auto (the default): on with attention=flex and no context parallelism; true/false force it."""
+
+    _auto: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FAST_OPTIONS:  # an explicit true/false stops following the layout; "auto" resumes
+            self._auto = self._auto - {name} if value != "auto" else self._auto | {name}
+        super().__setattr__(name, value)
+
+    @model_validator(mode="after")
+    def _resolve_auto(self) -> "MegatronConfig":
+        # Resolved here, so the learner, --print-config and the run's config.json all show what runs.
+        self._auto = self._auto | {k for k in FAST_OPTIONS if getattr(self, k) == "auto"}
+        for name, on in resolve_fast_options(self).items():
+            if name in self._auto:
+                object.__setattr__(self, name, on)  # plain set: no re-validation from inside the validator
+        return self
+
+
+FAST_OPTIONS = ("cuda_graphs", "keep_grad_logits", "fused_logprobs", "flex_expand_kv")
+"""The `learner.megatron` speed options that default to ``auto``."""
+
+
+def resolve_fast_options(mcfg: MegatronConfig) -> dict[str, bool]:
+    """What ``auto`` means for each of :data:`FAST_OPTIONS` under ``mcfg``'s layout: on where it
+    can run and helps, off elsewhere (measured on 1x H100: bench/RESULTS.md, Megatron learner).
+
+    Example:
+        >>> resolve_fast_options(MegatronConfig(tensor_parallel_size=2))["cuda_graphs"]
+        False
+    """
+    single = mcfg.tensor_parallel_size == mcfg.pipeline_parallel_size == mcfg.context_parallel_size == 1
+    flex = mcfg.attention == "flex"
+    return {
+        "cuda_graphs": single and flex and not mcfg.activation_checkpointing,
+        "keep_grad_logits": not mcfg.activation_checkpointing,
+        "fused_logprobs": mcfg.tensor_parallel_size == 1,
+        "flex_expand_kv": flex and mcfg.context_parallel_size == 1,
+    }
 
 
 class LearnerConfig(Section):
@@ -375,7 +421,16 @@ class Config(Section):
                     ("attention", mc.attention == "flex")) if not ok]
                 if off:
                     raise ValueError(f"learner.megatron.cuda_graphs needs attention=flex, no tensor/pipeline/context "
-                                     f"parallelism and no activation checkpointing; got {', '.join(off)}")
+                                     f"parallelism and no activation checkpointing; got {', '.join(off)} "
+                                     "(auto, the default, turns it on only where it can run)")
+            idle = []  # auto never resolves to these: only a forced true lands here
+            if mc.fused_logprobs and mc.tensor_parallel_size > 1:
+                idle.append(f"fused_logprobs (tensor_parallel_size={mc.tensor_parallel_size})")
+            if mc.flex_expand_kv and (mc.attention != "flex" or mc.context_parallel_size > 1):
+                idle.append(f"flex_expand_kv (attention={mc.attention}, "
+                            f"context_parallel_size={mc.context_parallel_size})")
+            if idle:
+                warnings.warn(f"learner.megatron: {', '.join(idle)} set but without effect here", stacklevel=2)
             need = 2 * mc.context_parallel_size * (mc.tensor_parallel_size if mc.sequence_parallel else 1)
             if mc.context_parallel_size > 1 and self.packing.pad_multiple % need:
                 raise ValueError(
