@@ -15,11 +15,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
 
 __all__ = [
+    "FAST_OPTIONS",
     "AdvantageConfig",
     "ClusterConfig",
     "Config",
     "ConfigError",
-    "FAST_OPTIONS",
     "EngineConfig",
     "EnvConfig",
     "EvalConfig",
@@ -196,7 +196,7 @@ class AdvantageConfig(Section):
     """Added to the std before dividing."""
 
     @model_validator(mode="after")
-    def _std_has_effect(self) -> "AdvantageConfig":
+    def _std_has_effect(self) -> AdvantageConfig:
         if "std" in self.model_fields_set and (self.estimator != "grpo" or not self.normalize_std):
             warnings.warn(
                 f"advantage.std={self.std} has no effect with estimator={self.estimator}, "
@@ -269,7 +269,7 @@ class MegatronConfig(Section):
         super().__setattr__(name, value)
 
     @model_validator(mode="after")
-    def _resolve_auto(self) -> "MegatronConfig":
+    def _resolve_auto(self) -> MegatronConfig:
         # Resolved here, so the learner, --print-config and the run's config.json all show what runs.
         self._auto = self._auto | {k for k in FAST_OPTIONS if getattr(self, k) == "auto"}
         for name, on in resolve_fast_options(self).items():

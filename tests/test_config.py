@@ -6,7 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.config import FAST_OPTIONS, Config, ConfigError, MegatronConfig, load_config, resolve_fast_options
+from agentrl.config import (
+    FAST_OPTIONS,
+    Config,
+    ConfigError,
+    MegatronConfig,
+    load_config,
+    resolve_fast_options,
+)
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
 
