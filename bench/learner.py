@@ -318,7 +318,8 @@ def _bench_default(box, ref, rows, checks, iters, write) -> None:
         checks.append({"backend": "megatron/default", "case": case, "resolved": options})
         _time_case(learner, ref, rows, checks, iters, "megatron/default", case, n, write)
         box["learner"] = learner
-        _free(box)
+        del learner
+        _free(box)  # before the next case's learner is built
 
 
 def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) -> None:
