@@ -237,25 +237,25 @@ class MegatronConfig(Section):
     attention: Literal["flex", "sdpa", "te"] = "flex"
     """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
     TransformerEngine's when it is importable."""
-    cuda_graphs: bool | Literal["auto"] = "auto"
+    cuda_graphs: Literal["auto", True, False] = "auto"
     """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
     launch overhead that dominates at small micro-batches. Every micro-batch is padded to
     packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
     or context parallelism and no activation checkpointing. The graph's activations stay
     allocated between steps (set false when memory is short). auto (the default): on exactly where
     it can run (the conditions above), off elsewhere; true/false force it."""
-    keep_grad_logits: bool | Literal["auto"] = "auto"
+    keep_grad_logits: Literal["auto", True, False] = "auto"
     """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
     the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
     and a 152k vocabulary; divided by the tensor and context parallel degrees). auto (the
     default): on unless activation_checkpointing (which asks for memory over speed); true/false
     force it."""
-    fused_logprobs: bool | Literal["auto"] = "auto"
+    fused_logprobs: Literal["auto", True, False] = "auto"
     """Make the logprob head's softmax work (logsumexp, label logprob, d logp / d logits) with
     compiled one-pass kernels over the bf16 logits instead of float32 chunk tensors. Same math,
     another reduction order; no effect under tensor parallelism (the learner's weights are always
     bf16/fp16). auto (the default): on without tensor parallelism; true/false force it."""
-    flex_expand_kv: bool | Literal["auto"] = "auto"
+    flex_expand_kv: Literal["auto", True, False] = "auto"
     """attention=flex with grouped-query attention: repeat K/V to the query heads before
     FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch. No
     effect with attention sdpa/te or context parallelism (which has its own attention path).

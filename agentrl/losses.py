@@ -142,8 +142,10 @@ IS_CORRECTIONS: dict[str, ISCorrection] = {
     "token_tis": _token_tis,
     "seq_tis": _seq_tis,
     "seq_tis_geo": _seq_tis_geo,
+    # Rejection sampling: out of the band weight 0, kept tokens weight 1 ...
     "token_mask": _token_mask,
     "seq_mask_geo": _seq_mask_geo,
+    # ... IcePop: the same band, kept tokens weighted by their own ratio (truncated at the cap).
     "icepop": _icepop,
     "seq_icepop": _seq_icepop,
     # GSPO's policy ratio is itself sequence-level (see compute_policy_loss); the π_prox/μ gap is
