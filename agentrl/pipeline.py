@@ -12,10 +12,11 @@ __all__ = ["train"]
 
 
 def _explicit_ray_auth_mode(cfg: Config) -> None:
-    # Ray (2.5x) turns token authentication on for a new local cluster and warns that it did,
-    # unless RAY_AUTH_MODE names the mode. Name the same secure mode, before Ray is imported
-    # (Ray reads it once, at import); a cluster joined by address keeps its own setting.
-    if cfg.cluster.address is None and "RAY_ADDRESS" not in os.environ and "ray" not in sys.modules:
+    # Ray (2.5x) turns token authentication on for a new local cluster (the trainer starts one when
+    # cluster.address is None) and warns that it did, unless RAY_AUTH_MODE names the mode. Name the
+    # same secure mode, before Ray is imported (Ray reads it once, at import); a cluster joined by
+    # address keeps its own setting.
+    if cfg.cluster.address is None and "ray" not in sys.modules:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 

@@ -80,7 +80,9 @@ class Trainer:
         cfg = self.cfg
         if not ray.is_initialized():
             ray.init(
-                address=cfg.cluster.address,
+                # None starts a local cluster, as cluster.address promises: Ray would otherwise join
+                # whatever cluster `ray start` last left on this machine (RAY_ADDRESS included).
+                address=cfg.cluster.address or "local",
                 num_cpus=cfg.cluster.num_cpus if cfg.cluster.address is None else None,
                 include_dashboard=False,
                 log_to_driver=os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
