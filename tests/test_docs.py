@@ -7,12 +7,17 @@ The rule for code blocks in README.md and docs/ (CONTRIBUTING.md explains it):
 - ``<!-- doc-test: tests/test_x.py -->`` on the line above: that test file runs it (it must exist
   and name the page);
 - ``<!-- not-runnable: reason -->`` on the line above: it is not run, and the reason says why;
-- a ```yaml block with no mark is a piece of an agentrl config and must validate as one.
+- a ```yaml block with no mark is a piece of an agentrl config and must validate as one;
+- an ``agentrl train`` or ``agentrl sft`` command of a shell block, on a config file of this
+  repository, must parse (``--print-config``, which starts nothing).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -86,6 +91,38 @@ def test_yaml_blocks_are_valid_config():
                     Config.model_validate(yaml.safe_load(block.code) or {})
                 except Exception as err:  # noqa: BLE001 - reported with the block's place
                     problems.append(f"{block.where}: {type(err).__name__}: {err}")
+    assert not problems, "\n".join(problems)
+
+
+def _agentrl_commands() -> list[tuple[str, list[str]]]:
+    """(where, argv) of every `agentrl train|sft CONFIG ...` in a shell block, CONFIG a repo file."""
+    found = []
+    for page in PAGES:
+        for block in code_blocks(page):
+            if block.language not in ("bash", "sh", "shell", "console") or block.mark is not None:
+                continue
+            for command in block.code.replace("\\\n", " ").split("\n"):
+                words = shlex.split(command.split(" #")[0])
+                if words[:1] == ["agentrl"] and words[1:2] in (["train"], ["sft"]) and (REPO / words[2]).is_file():
+                    found.append((block.where, words[1:]))
+    return found
+
+
+def test_agentrl_commands_in_docs_parse():
+    from agentrl.cli import main
+
+    commands = _agentrl_commands()
+    assert len(commands) >= 3  # the quickstart, GPU and long-context commands at least
+    problems = []
+    for where, argv in commands:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.chdir(REPO), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                code = main([*argv, "--print-config"])  # returns 2 on a config error
+            except SystemExit as exit_:  # --print-config exits 0 after printing
+                code = exit_.code
+        if code not in (0, None):
+            problems.append(f"{where}: agentrl {shlex.join(argv)}: {err.getvalue().strip()}")
     assert not problems, "\n".join(problems)
 
 
