@@ -25,6 +25,8 @@ from pathlib import Path
 import gymnasium
 import pytest
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentrl.config import Config
 from agentrl.docs import REPO, code_blocks, generated_files
@@ -149,3 +151,27 @@ def test_mkdocs_build_strict(tmp_path):
                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     assert (tmp_path / "site" / "reference" / "api" / "agentrl.losses" / "index.html").is_file()
+
+
+_LINE = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30).filter(lambda s: "`" not in s and "~~~" not in s)
+
+
+@settings(max_examples=60, deadline=None)
+@given(blocks=st.lists(st.tuples(st.sampled_from(["python", "yaml", "bash", ""]),
+                                 st.lists(_LINE, max_size=5),
+                                 st.sampled_from([None, "doc-test", "not-runnable"]),
+                                 st.sampled_from(["tests/test_x.py", "needs a GPU to run"])), max_size=4),
+       prose=st.lists(_LINE, max_size=3))
+def test_code_blocks_round_trip(tmp_path_factory, blocks, prose):
+    """A page written from blocks (with marks and prose between) parses back into those blocks."""
+    lines = []
+    for language, code, mark, value in blocks:
+        lines += [p for p in prose if not p.lstrip().startswith("<!--")] + [""]
+        if mark:
+            lines.append(f"<!-- {mark}: {value} -->")
+        lines += [f"```{language}", *code, "```"]
+    page = tmp_path_factory.mktemp("page") / "p.md"
+    page.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    parsed = code_blocks(page)
+    assert [(b.language, b.code, b.mark, b.mark_value if b.mark else None) for b in parsed] == [
+        (lang, "".join(c + "\n" for c in code), mark, value if mark else None) for lang, code, mark, value in blocks]
