@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import threading
@@ -177,9 +178,10 @@ def main() -> None:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--groups-per-step", type=int, default=8)
     p.add_argument("--concurrent-groups", type=int, default=16)
-    p.add_argument("--engine-mem-colocated", type=float, default=0.5)
-    p.add_argument("--engine-mem-split", type=float, default=0.35)
+    p.add_argument("--engine-mem-colocated", type=float, default=0.3)
+    p.add_argument("--engine-mem-split", type=float, default=0.25)
     args = p.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as agentrl.pipeline does: no warning at ray.init
     model = make_model(Path(args.workdir) / "qwen2.5-1.5b-shape")
     results: list[dict[str, Any]] = []
     for placement in args.placements.split(","):
