@@ -307,8 +307,10 @@ class Trainer:
                 if self.sleeping_engines:
                     # Colocated: nothing generates while the learner steps; wake with new weights.
                     refit_wait_s = 0.0
+                    # What the learner still holds when the engines wake (its step's cache returned).
+                    mem = ray.get(self.learner.free_memory.remote())
+                    metrics.update({f"memory/learner_{k}": v for k, v in mem.items()})
                     if refit_due:
-                        self.learner.free_memory.remote()  # runs before the export: actor calls keep order
                         self._last_refit_s = self.refit() + sleep_s
                     else:
                         self._last_refit_s = self._wake_engines() + sleep_s

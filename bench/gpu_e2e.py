@@ -128,7 +128,7 @@ def run_one(model: str, args: argparse.Namespace, *, placement: str, staleness: 
         f"replay.max_staleness={staleness}", f"replay.groups_per_step={args.groups_per_step}", "replay.capacity=256",
         "learner.lr=1e-6", "packing.max_tokens_per_microbatch=8192", f"colocate.engine_sleep={colocated}",
         "train.num_steps=100000", f"train.time_limit_s={args.seconds}", "train.checkpoint_interval=0",
-        "eval.num_episodes=0", "cluster.num_cpus=14",
+        "eval.num_episodes=0", "cluster.num_cpus=14", *args.set,
     ]
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", overrides)
     trainer = Trainer(cfg, progress=False)
@@ -160,6 +160,8 @@ def run_one(model: str, args: argparse.Namespace, *, placement: str, staleness: 
         "split": {k: sum(r.get(f"timing/{k}", 0.0) for r in steps) / span
                   for k in ("waiting", "engine_sleep", "learner_step", "refit", "refit_wait")},
         "gpu_busy": busy.fraction,
+        "learner_memory_gib": {k: max((r.get(f"memory/learner_{k}_gib", 0.0) for r in rows), default=0.0)
+                               for k in ("allocated", "reserved", "peak")},
         "reward_mean": statistics.fmean(r.get("rollout/reward", 0.0) for r in steps),
     }
 
@@ -180,6 +182,7 @@ def main() -> None:
     p.add_argument("--concurrent-groups", type=int, default=16)
     p.add_argument("--engine-mem-colocated", type=float, default=0.3)
     p.add_argument("--engine-mem-split", type=float, default=0.25)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # as agentrl.pipeline does: no warning at ray.init
     model = make_model(Path(args.workdir) / "qwen2.5-1.5b-shape")
