@@ -1,8 +1,9 @@
 """Entry point of a sandbox process (run as ``python -I -S _sandbox_child.py CONFIG_JSON``).
 
-Applies resource limits, installs an audit hook (no process creation, no sockets, no writes outside
-the working directory, no reads outside it and the Python installation, no blocked imports), then
-runs ``main.py`` from the working directory.
+Applies resource limits, installs the audit hook unless the config turns it off (no process creation,
+no sockets, no writes outside the working directory, no reads outside it and the Python installation, no
+blocked imports), then runs ``main.py`` from the working directory. Under the bwrap backend the hook is
+a second layer that gives clear messages; the boundary is the kernel's (see ``_bwrap.py``).
 Only the standard library is used; nothing here is imported by agentrl itself.
 """
 
@@ -83,7 +84,8 @@ def main() -> None:
     _apply_limits(config)
     with open("main.py", encoding="utf-8") as f:
         source = f.read()
-    _install_hook(os.path.realpath(os.getcwd()), frozenset(config["blocked_modules"]))
+    if config.get("hook", True):
+        _install_hook(os.path.realpath(os.getcwd()), frozenset(config["blocked_modules"]))
     sys.stdout.reconfigure(line_buffering=True)  # what was printed survives a kill
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:

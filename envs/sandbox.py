@@ -1,24 +1,25 @@
-"""Run untrusted Python in a separate, limited process.
+"""Run untrusted Python in a separate, limited process: ``run_sandboxed``.
 
-Layers, each a backstop for the others:
+Two backends, chosen explicitly:
 
-- a fresh ``python -I -S`` process (isolated mode, standard library only, minimal environment) in a
-  throwaway working directory that is deleted afterwards;
-- resource limits set in the child before any user code runs: ``RLIMIT_CPU``, ``RLIMIT_AS``,
-  ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` and ``RLIMIT_NPROC`` (Linux exempts uid 0 from the last one);
-- an audit hook (PEP 578) that refuses process creation, signals, sockets, writes outside the
-  working directory, reads outside it and the Python installation (no credentials, no other
-  processes' ``/proc`` entries, no hidden tests), and imports of ``blocked_modules``;
-- a network namespace (``unshare --net``) where the machine allows it;
-- a wall-clock deadline and an output cap, read incrementally, after which the whole process group
-  is killed.
+- ``"bwrap"`` (the default, and the only security boundary): the program runs under bubblewrap in its
+  own user, PID, mount, network, IPC and UTS namespaces as an unprivileged uid, on a read-only view of
+  the interpreter with a size-limited private tmpfs as working directory (see ``_bwrap.py``), with
+  ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC`` and ``RLIMIT_CORE`` set before any user
+  code runs. The PEP 578 audit hook of ``_sandbox_child.py`` runs inside as a second layer only (it
+  turns common mistakes into clear messages); nothing depends on it. A missing or unusable ``bwrap``
+  is an error that says how to install it, never a silent downgrade.
+- ``"audit_hook"``: the older in-process layers (``python -I -S`` in a throwaway host directory, the
+  audit hook, rlimits, ``unshare --net`` where allowed). NOT a security boundary: a program that wants
+  out gets out. For machines without user namespaces, on trusted code only.
 
-This contains what a policy writes by accident or by reward hacking; it is not a boundary against a
-determined attacker. Run training in a container or VM as well.
+Both: a wall-clock deadline and an output cap, read incrementally, after which everything the program
+started is killed. This module knows nothing of environments or scoring.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -32,7 +33,12 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-__all__ = ["DEFAULT_BLOCKED_MODULES", "SandboxLimits", "SandboxResult", "run_sandboxed"]
+from agentrl.envs._bwrap import BwrapUnavailableError, bwrap_command, check_bwrap, spawn_identity
+
+__all__ = ["BACKENDS", "DEFAULT_BLOCKED_MODULES", "BwrapUnavailableError", "SandboxLimits", "SandboxResult",
+           "run_sandboxed"]
+
+BACKENDS = ("bwrap", "audit_hook")
 
 DEFAULT_BLOCKED_MODULES = (
     "socket", "_socket", "ssl", "_ssl", "subprocess", "_posixsubprocess", "multiprocessing",
@@ -52,7 +58,10 @@ class SandboxLimits:
         max_output_bytes: stdout+stderr kept; the process is killed when it writes more.
         max_file_bytes: largest file the code may write.
         max_processes: processes/threads the code may add (RLIMIT_NPROC headroom).
-        blocked_modules: modules whose import is refused.
+        max_disk_bytes: size of the private tmpfs working directory: all files together (bwrap backend).
+        blocked_modules: modules whose import the audit hook refuses.
+        audit_hook_layer: bwrap backend: also install the audit hook inside, as a second layer that gives
+            clear messages for common mistakes (the audit_hook backend always installs it).
     """
 
     cpu_time_s: int = 2
@@ -61,7 +70,9 @@ class SandboxLimits:
     max_output_bytes: int = 16_384
     max_file_bytes: int = 1 << 20
     max_processes: int = 16
+    max_disk_bytes: int = 32 << 20
     blocked_modules: tuple[str, ...] = field(default=DEFAULT_BLOCKED_MODULES)
+    audit_hook_layer: bool = True
 
 
 @dataclass(frozen=True)
@@ -152,16 +163,122 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str 
         time.sleep(0.002)
 
 
-def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+def run_sandboxed(code: str, limits: SandboxLimits | None = None, *, backend: str = "bwrap") -> SandboxResult:
     """Run ``code`` as ``main.py`` in a fresh sandboxed interpreter and return what happened.
+
+    Args:
+        code: the program's source.
+        limits: resource limits; ``SandboxLimits()`` when None.
+        backend: ``"bwrap"`` (OS isolation, the default) or ``"audit_hook"`` (in-process layers only,
+            not a security boundary; only when chosen explicitly).
+
+    Raises:
+        ValueError: unknown ``backend``.
+        BwrapUnavailableError: ``backend="bwrap"`` and bubblewrap is missing or cannot run here.
 
     Example:
         >>> run_sandboxed("print(6 * 7)").describe()
         '42'
     """
     limits = limits or SandboxLimits()
+    if backend == "bwrap":
+        check_bwrap()
+        return _run_bwrap(code, limits)
+    if backend == "audit_hook":
+        return _run_audit_hook(code, limits)
+    close = difflib.get_close_matches(str(backend), BACKENDS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown sandbox backend {backend!r}{hint}; expected one of {', '.join(BACKENDS)}")
+
+
+@functools.lru_cache(maxsize=1)
+def _child_source() -> bytes:
+    return Path(_CHILD).read_bytes()
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _init_pid(info_fd: int) -> int | None:
+    """The host PID of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report (if written)."""
+    os.set_blocking(info_fd, False)
+    try:
+        data = os.read(info_fd, 4096)
+    except BlockingIOError:
+        return None
+    try:
+        return int(json.loads(data)["child-pid"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _kill_namespace(proc: subprocess.Popen, init_pid: int | None) -> None:
+    """Kill the sandbox's init (the kernel then kills every process in its PID namespace)."""
+    if init_pid is not None and os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        try:
+            pidfd = os.pidfd_open(init_pid)
+        except ProcessLookupError:
+            pidfd = None
+        if pidfd is not None:
+            try:  # the pid still names bwrap's child (not a reused pid) only while bwrap is its parent
+                ppid = next(int(line.split()[1]) for line in Path(f"/proc/{init_pid}/status").read_text().splitlines()
+                            if line.startswith("PPid:"))
+                if ppid == proc.pid:
+                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+            except (OSError, StopIteration, ValueError):
+                pass
+            finally:
+                os.close(pidfd)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # bwrap itself; --die-with-parent takes the sandbox with it
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
+    config = {**asdict(limits), "nproc": limits.max_processes + 2, "hook": limits.audit_hook_layer}  # + init, python
+    code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
+    child_fd = _memfd("child.py", _child_source())
+    info_r, info_w = os.pipe()
+    try:
+        cmd = bwrap_command(code_fd=code_fd, child_fd=child_fd, info_fd=info_w, disk_bytes=limits.max_disk_bytes,
+                            argv=[json.dumps(config)])
+        proc = subprocess.Popen(cmd, pass_fds=(code_fd, child_fd, info_w), env={}, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                **spawn_identity())
+    finally:
+        for fd in (code_fd, child_fd, info_w):
+            os.close(fd)
+    try:
+        try:
+            output, killed = _collect(proc, limits)
+        finally:
+            if proc.poll() is None:
+                _kill_namespace(proc, _init_pid(info_r))
+            exit_code = proc.wait()  # bwrap exits only after its init, so after every sandboxed process
+            proc.stdout.close()
+    finally:
+        os.close(info_r)
+    if exit_code > 128 and killed is None:  # bwrap reports a child killed by signal N as 128 + N
+        exit_code = -(exit_code - 128)
+    return _result(output, killed, exit_code, limits)
+
+
+def _result(output: bytes, killed: str | None, exit_code: int, limits: SandboxLimits) -> SandboxResult:
+    if killed is None:
+        cpu_signals = (-signal.SIGKILL, -signal.SIGXCPU)
+        killed = "ok" if exit_code == 0 else "cpu_limit" if exit_code in cpu_signals else (
+            "crashed" if exit_code < 0 else "error")
+    return SandboxResult(output.decode("utf-8", errors="replace"), killed, exit_code, limits)
+
+
+def _run_audit_hook(code: str, limits: SandboxLimits) -> SandboxResult:
     nproc = None if os.getuid() == 0 else _user_task_count(os.getuid()) + limits.max_processes
-    config = {**asdict(limits), "nproc": nproc}
+    config = {**asdict(limits), "nproc": nproc, "hook": True}
     workdir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
     try:
         Path(workdir, "main.py").write_text(code, encoding="utf-8", errors="replace")
@@ -180,8 +297,4 @@ def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResu
             proc.stdout.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if killed is None:
-        cpu_signals = (-signal.SIGKILL, -signal.SIGXCPU)
-        killed = "ok" if exit_code == 0 else "cpu_limit" if exit_code in cpu_signals else (
-            "crashed" if exit_code < 0 else "error")
-    return SandboxResult(output.decode("utf-8", errors="replace"), killed, exit_code, limits)
+    return _result(output, killed, exit_code, limits)

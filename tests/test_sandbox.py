@@ -28,11 +28,11 @@ CASES = {  # name: (code, text the tool message must contain, seconds it may tak
                     "can't start new thread", 1.9),
     "100 MB of output": ("import sys\nfor _ in range(1600):\n    sys.stdout.write('x' * 65536)",
                          "[killed: output exceeded", 1.9),
-    "write outside": (f"open({ESCAPE!r}, 'w').write('escaped')", "writing outside the working directory", 1.0),
+    "write outside": (f"open({STDLIB_ESCAPE!r}, 'w').write('escaped')", "writing outside the working directory", 1.0),
     "os.open with dir_fd": ("import os\nfd = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n"
                             "os.open('agentrl-sandbox-escape-test.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
                             "writing outside the working directory", 1.0),
-    "rename outside": (f"open('a', 'w').close()\nimport os\nos.rename('a', {ESCAPE!r})",
+    "rename outside": (f"open('a', 'w').close()\nimport os\nos.rename('a', {STDLIB_ESCAPE!r})",
                        "os.rename outside the working directory", 1.0),
     "reading other processes": ("print(open('/proc/1/environ').read())", "reading outside the working", 1.0),
     "reading the env's hidden tests": (f"print(open({python_sandbox.__file__!r}).read())",
