@@ -33,7 +33,7 @@ def _apply_limits(config: dict) -> None:
     mib = 1 << 20
     for name, value in (("RLIMIT_CPU", config["cpu_time_s"]), ("RLIMIT_AS", config["memory_mb"] * mib),
                         ("RLIMIT_FSIZE", config["max_file_bytes"]), ("RLIMIT_CORE", 0),
-                        ("RLIMIT_NPROC", config["nproc"])):
+                        ("RLIMIT_NPROC", config["nproc"]), ("RLIMIT_NOFILE", config.get("max_open_files"))):
         if value is not None:
             resource.setrlimit(getattr(resource, name), (value, value))
     del sys.modules["resource"]  # a later `import resource` goes through the audit hook

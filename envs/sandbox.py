@@ -23,6 +23,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -59,6 +60,7 @@ class SandboxLimits:
         max_file_bytes: largest file the code may write.
         max_processes: processes/threads the code may add (RLIMIT_NPROC headroom).
         max_disk_bytes: size of the private tmpfs working directory: all files together (bwrap backend).
+        max_open_files: file descriptors per process (RLIMIT_NOFILE).
         blocked_modules: modules whose import the audit hook refuses.
         audit_hook_layer: bwrap backend: also install the audit hook inside, as a second layer that gives
             clear messages for common mistakes (the audit_hook backend always installs it).
@@ -71,6 +73,7 @@ class SandboxLimits:
     max_file_bytes: int = 1 << 20
     max_processes: int = 16
     max_disk_bytes: int = 32 << 20
+    max_open_files: int = 256
     blocked_modules: tuple[str, ...] = field(default=DEFAULT_BLOCKED_MODULES)
     audit_hook_layer: bool = True
 
@@ -203,40 +206,80 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _init_pid(info_fd: int) -> int | None:
-    """The host PID of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report (if written)."""
-    os.set_blocking(info_fd, False)
-    try:
-        data = os.read(info_fd, 4096)
-    except BlockingIOError:
-        return None
-    try:
-        return int(json.loads(data)["child-pid"])
-    except (ValueError, KeyError, TypeError):
-        return None
+def _init_pidfd(proc: subprocess.Popen, info_fd: int, deadline: float) -> int | None:
+    """A pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report, or None.
+
+    A pidfd names one process for good, so killing through it later cannot hit a reused PID; the PID is
+    checked to be bwrap's child while bwrap is alive and unreaped (so it cannot have been reused yet).
+    """
+    poller = select.poll()
+    poller.register(info_fd, select.POLLIN | select.POLLHUP)
+    data = b""
+    while (found := re.search(rb'"child-pid":\s*(\d+)\s*[,}\n]', data)) is None:
+        if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            return None
+        chunk = os.read(info_fd, 4096)  # bwrap writes its report in pieces
+        if not chunk:
+            return None
+        data += chunk
+    return _child_pidfd(proc, int(found.group(1)))
 
 
-def _kill_namespace(proc: subprocess.Popen, init_pid: int | None) -> None:
-    """Kill the sandbox's init (the kernel then kills every process in its PID namespace)."""
-    if init_pid is not None and os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        try:
-            pidfd = os.pidfd_open(init_pid)
-        except ProcessLookupError:
-            pidfd = None
-        if pidfd is not None:
-            try:  # the pid still names bwrap's child (not a reused pid) only while bwrap is its parent
-                ppid = next(int(line.split()[1]) for line in Path(f"/proc/{init_pid}/status").read_text().splitlines()
-                            if line.startswith("PPid:"))
-                if ppid == proc.pid:
-                    signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            except (OSError, StopIteration, ValueError):
-                pass
-            finally:
-                os.close(pidfd)
+def _child_pidfd(proc: subprocess.Popen, pid: int) -> int | None:
+    """A pidfd of ``pid`` if it is a child of the (unreaped) ``proc``, else None."""
     try:
-        os.killpg(proc.pid, signal.SIGKILL)  # bwrap itself; --die-with-parent takes the sandbox with it
-    except (ProcessLookupError, PermissionError):
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+    except (OSError, StopIteration, ValueError):
+        ppid = None
+    if ppid != proc.pid:
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
+def _children_pidfds(proc: subprocess.Popen) -> list[int]:
+    """pidfds of the children of bwrap (its init), found through /proc when its report did not come."""
+    pids: set[int] = set()
+    try:
+        for task in os.scandir(f"/proc/{proc.pid}/task"):
+            pids.update(int(p) for p in Path(task.path, "children").read_text().split())
+    except OSError:
         pass
+    return [fd for fd in (_child_pidfd(proc, pid) for pid in pids) if fd is not None]
+
+
+def _kill_sandbox(proc: subprocess.Popen, init_pidfd: int | None) -> None:
+    """Kill the sandbox's init and wait until it has exited, which the kernel allows only once every
+    other process of its PID namespace is gone; then make sure bwrap itself is gone.
+
+    bwrap exits as soon as it knows the exit status; its init may outlive it by a moment and is then
+    reaped by the host's PID 1 (a zombie runs nothing).
+    """
+    extra = [] if init_pidfd is not None or proc.poll() is not None else _children_pidfds(proc)
+    pidfds = ([init_pidfd] if init_pidfd is not None else []) + extra
+    for pidfd in pidfds:
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pidfd in pidfds:
+        select.select([pidfd], [], [], 5.0)  # readable once the init has exited
+    for pidfd in extra:
+        os.close(pidfd)
+    deadline = time.monotonic() + (2.0 if pidfds else 0.0)
+    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() >= deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # --die-with-parent takes the sandbox with bwrap
+            except (ProcessLookupError, PermissionError):
+                pass
+            break
+        time.sleep(0.002)
 
 
 def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
@@ -253,16 +296,19 @@ def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
     finally:
         for fd in (code_fd, child_fd, info_w):
             os.close(fd)
+    init_pidfd = None
     try:
         try:
+            init_pidfd = _init_pidfd(proc, info_r, time.monotonic() + limits.wall_time_s)
             output, killed = _collect(proc, limits)
         finally:
-            if proc.poll() is None:
-                _kill_namespace(proc, _init_pid(info_r))
-            exit_code = proc.wait()  # bwrap exits only after its init, so after every sandboxed process
+            _kill_sandbox(proc, init_pidfd)
+            exit_code = proc.wait()
             proc.stdout.close()
     finally:
-        os.close(info_r)
+        for fd in (info_r, init_pidfd):
+            if fd is not None:
+                os.close(fd)
     if exit_code > 128 and killed is None:  # bwrap reports a child killed by signal N as 128 + N
         exit_code = -(exit_code - 128)
     return _result(output, killed, exit_code, limits)
