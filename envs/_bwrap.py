@@ -64,7 +64,7 @@ def _needed_library_dirs(executable: str, dynload: str) -> list[str]:
     objects = [executable, *(str(p) for p in Path(dynload).glob("*.so"))]
     dirs = {"/usr/lib", "/usr/lib64"} if shutil.which("ldd") is None else set()
     if not dirs:
-        out = subprocess.run(["ldd", *objects], capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(["ldd", *objects], capture_output=True, text=True, timeout=60, check=False).stdout
         for line in out.splitlines():
             parts = line.split("=>")
             target = (parts[1] if len(parts) > 1 else parts[0]).strip().split(" (")[0].strip()
@@ -135,11 +135,18 @@ def _interpreter_binds() -> tuple[str, tuple[_Bind, ...]]:
     return executable, binds
 
 
-def spawn_identity() -> dict:
-    """``subprocess.Popen`` keyword arguments that start ``bwrap`` as an unprivileged host user."""
+def spawn_identity() -> tuple[list[str], dict]:
+    """(command prefix, ``subprocess.Popen`` keyword arguments) that start ``bwrap`` as an unprivileged
+    host user when the caller is root.
+
+    ``setpriv`` (util-linux) drops the ids after a cheap ``vfork``; Popen's own ``user=``/``group=`` would
+    make it copy the whole (large) parent process with ``fork`` instead, ~20 ms more per run.
+    """
     if os.getuid() != 0:
-        return {}
-    return {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+        return [], {}
+    if shutil.which("setpriv") is not None:
+        return ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--"], {}
+    return [], {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
 
 
 def bwrap_command(*, code_fd: int, child_fd: int, info_fd: int, disk_bytes: int, argv: list[str]) -> list[str]:
@@ -153,7 +160,8 @@ def bwrap_command(*, code_fd: int, child_fd: int, info_fd: int, disk_bytes: int,
         argv: arguments after the child script.
     """
     executable, binds = _interpreter_binds()
-    cmd = ["bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+    prefix, _ = spawn_identity()
+    cmd = [*prefix, "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
            "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
            "--clearenv", "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", WORKDIR,
@@ -183,7 +191,7 @@ def check_bwrap() -> None:
         os.lseek(child_r, 0, 0)
         cmd = bwrap_command(code_fd=code_r, child_fd=child_r, info_fd=info_w, disk_bytes=1 << 20, argv=[])
         proc = subprocess.run(cmd, pass_fds=(code_r, child_r, info_w), capture_output=True, text=True,
-                              timeout=30, env={}, **spawn_identity())
+                              timeout=30, check=False, env={}, **spawn_identity()[1])
     finally:
         for fd in (code_r, child_r, info_r, info_w):
             os.close(fd)

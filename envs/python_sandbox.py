@@ -87,8 +87,9 @@ class PythonSandboxEnv(ToolEnv):
                  sandbox_backend: str = "bwrap", **kwargs: Any) -> None:
         if sandbox_backend not in BACKENDS:
             close = difflib.get_close_matches(str(sandbox_backend), BACKENDS, n=1)
-            raise ValueError(f"env.kwargs.sandbox_backend: unknown backend {sandbox_backend!r}"
-                             f"{f' (did you mean {close[0]!r}?)' if close else ''}; expected one of {', '.join(BACKENDS)}")
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"env.kwargs.sandbox_backend: unknown backend {sandbox_backend!r}{hint}; "
+                             f"expected one of {', '.join(BACKENDS)}")
         self.sandbox_backend = sandbox_backend
         self.last_grading_note = ""
         kwargs.setdefault("tool_timeout_s", wall_time_s + 5.0)

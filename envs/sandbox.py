@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import difflib
 import functools
-import json
 import os
 import re
 import select
@@ -31,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.envs._bwrap import BwrapUnavailableError, bwrap_command, check_bwrap, spawn_identity
@@ -116,7 +115,7 @@ def _unshare_prefix() -> tuple[str, ...]:
         return ()
     for prefix in (("unshare", "--net"), ("unshare", "--user", "--map-root-user", "--net")):
         try:
-            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10, check=False).returncode == 0:
                 return prefix
         except (OSError, subprocess.SubprocessError):
             pass
@@ -192,6 +191,14 @@ def run_sandboxed(code: str, limits: SandboxLimits | None = None, *, backend: st
     close = difflib.get_close_matches(str(backend), BACKENDS, n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ValueError(f"unknown sandbox backend {backend!r}{hint}; expected one of {', '.join(BACKENDS)}")
+
+
+def encode_config(limits: SandboxLimits, nproc: int | None, hook: bool) -> str:
+    """The child's one argument: ``name=value`` pairs joined by ``;`` (cheaper to parse there than JSON)."""
+    values = {"cpu_time_s": limits.cpu_time_s, "memory_mb": limits.memory_mb, "max_file_bytes": limits.max_file_bytes,
+              "max_open_files": limits.max_open_files, "nproc": nproc, "hook": int(hook),
+              "blocked_modules": ",".join(limits.blocked_modules)}
+    return ";".join(f"{k}={'' if v is None else v}" for k, v in values.items())
 
 
 @functools.lru_cache(maxsize=1)
@@ -283,16 +290,16 @@ def _kill_sandbox(proc: subprocess.Popen, init_pidfd: int | None) -> None:
 
 
 def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
-    config = {**asdict(limits), "nproc": limits.max_processes + 2, "hook": limits.audit_hook_layer}  # + init, python
+    config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + bwrap's init, python
     code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
     child_fd = _memfd("child.py", _child_source())
     info_r, info_w = os.pipe()
     try:
         cmd = bwrap_command(code_fd=code_fd, child_fd=child_fd, info_fd=info_w, disk_bytes=limits.max_disk_bytes,
-                            argv=[json.dumps(config)])
+                            argv=[config])
         proc = subprocess.Popen(cmd, pass_fds=(code_fd, child_fd, info_w), env={}, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                **spawn_identity())
+                                **spawn_identity()[1])
     finally:
         for fd in (code_fd, child_fd, info_w):
             os.close(fd)
@@ -324,12 +331,12 @@ def _result(output: bytes, killed: str | None, exit_code: int, limits: SandboxLi
 
 def _run_audit_hook(code: str, limits: SandboxLimits) -> SandboxResult:
     nproc = None if os.getuid() == 0 else _user_task_count(os.getuid()) + limits.max_processes
-    config = {**asdict(limits), "nproc": nproc, "hook": True}
+    config = encode_config(limits, nproc, True)
     workdir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
     try:
         Path(workdir, "main.py").write_text(code, encoding="utf-8", errors="replace")
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-        cmd = [*_unshare_prefix(), sys.executable, "-I", "-S", _CHILD, json.dumps(config)]
+        cmd = [*_unshare_prefix(), sys.executable, "-I", "-S", _CHILD, config]
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:

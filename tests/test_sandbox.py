@@ -8,9 +8,19 @@ import tempfile
 import time
 
 import pytest
+from agentrl.envs import (
+    PythonSandboxEnv,
+    SandboxLimits,
+    _sandbox_child,
+    python_sandbox,
+    run_sandboxed,
+    sandbox,
+)
+from agentrl.envs.sandbox import BwrapUnavailableError
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agentrl.chat import format_tool_call
-from agentrl.envs import PythonSandboxEnv, SandboxLimits, python_sandbox, run_sandboxed
 
 LIMITS = SandboxLimits(cpu_time_s=1, wall_time_s=2.0, memory_mb=256, max_output_bytes=4096)
 ESCAPE = os.path.join(tempfile.gettempdir(), "agentrl-sandbox-escape-test.txt")
@@ -98,3 +108,66 @@ def test_traceback_shows_user_code_not_the_sandbox():
 def test_standard_library_still_works():
     code = "import json, re, math, itertools, collections, random, heapq, functools\nprint(json.dumps([math.pi > 3]))"
     assert run_sandboxed(code, LIMITS).describe() == "[true]"
+
+
+def test_the_program_sees_only_its_own_small_world():
+    code = ("import os\nprint(os.getuid(), os.getgid(), os.getcwd(), sorted(os.listdir('/')))\n"
+            "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+            "print(os.path.exists('/etc'), os.path.exists('/usr/bin'), os.listdir('/tmp') == os.listdir('.'))\n"
+            "import socket\nprint(socket.if_nameindex())")
+    lines = run_sandboxed(code, SandboxLimits(audit_hook_layer=False)).output.splitlines()
+    assert lines[0].startswith("65534 65534 /sandbox ") and "'etc'" not in lines[0] and "'home'" not in lines[0]
+    assert lines[1] in ("[1, 2]", "[1, 2, 3]")  # bwrap's init, the program (and nothing of the host)
+    assert lines[2] == "False False True" and lines[3] == "[(1, 'lo')]"
+
+
+def test_disk_cap_is_for_all_files_together():
+    limits = SandboxLimits(max_file_bytes=1 << 20, max_disk_bytes=4 << 20, audit_hook_layer=False)
+    code = ("total = 0\ntry:\n    for i in range(100):\n        open(f'f{i}', 'wb').write(b'x' * ((1 << 20) - 4096))\n"
+            "        total += (1 << 20) - 4096\nexcept OSError as e:\n    print(total, e.errno)")
+    total, errno = run_sandboxed(code, limits).output.split()
+    assert int(total) <= 4 << 20 and errno == "28"  # ENOSPC
+
+
+def test_unknown_backend_is_refused_with_a_suggestion():
+    with pytest.raises(ValueError, match="did you mean 'bwrap'"):
+        run_sandboxed("print(1)", LIMITS, backend="bwarp")
+    with pytest.raises(ValueError, match=r"env\.kwargs\.sandbox_backend.*did you mean 'audit_hook'"):
+        PythonSandboxEnv(sandbox_backend="audit-hook")
+
+
+def test_the_weaker_backend_runs_only_when_chosen():
+    assert run_sandboxed("print(1)", LIMITS, backend="audit_hook").describe() == "1"
+    env = PythonSandboxEnv(sandbox_backend="audit_hook")
+    env.reset(seed=0)
+    obs, *_ = env.step(format_tool_call("run_python", {"code": "import os\nprint(os.getuid() == 65534)"}))
+    assert obs[0]["content"] in ("True", "False")  # it ran, outside bwrap's uid when the caller is root
+
+
+def test_missing_bwrap_is_a_clear_error_not_a_silent_downgrade(monkeypatch):
+    from agentrl.envs import _bwrap
+
+    _bwrap.check_bwrap.cache_clear()
+    monkeypatch.setattr(_bwrap.shutil, "which", lambda name: None)
+    try:
+        with pytest.raises(BwrapUnavailableError, match="apt-get install bubblewrap.*backend='audit_hook'"):
+            run_sandboxed("print(1)", LIMITS)
+    finally:
+        monkeypatch.undo()
+        _bwrap.check_bwrap.cache_clear()
+    assert run_sandboxed("print(1)", LIMITS).describe() == "1"
+
+
+@given(st.text(max_size=300), st.integers(1, 8))
+def test_result_lines_never_raise(text, num_inputs):
+    outputs, note = python_sandbox._parse_results(text, num_inputs)
+    assert (outputs == [] and note) or (len(outputs) == num_inputs and note == "")
+
+
+@given(st.lists(st.text(alphabet="abc_.", min_size=1, max_size=8), max_size=5), st.booleans(),
+       st.one_of(st.none(), st.integers(1, 10**6)))
+def test_child_config_round_trips(blocked, hook, nproc):
+    limits = SandboxLimits(blocked_modules=tuple(blocked))
+    config = _sandbox_child._parse_config(sandbox.encode_config(limits, nproc, hook))
+    assert config["blocked_modules"] == blocked and config["hook"] == int(hook) and config["nproc"] == nproc
+    assert config["memory_mb"] == limits.memory_mb and config["max_open_files"] == limits.max_open_files

@@ -21,7 +21,6 @@ import os
 import secrets
 import selectors
 import shutil
-import signal
 import socket
 import subprocess
 import threading
@@ -29,13 +28,9 @@ import time
 from dataclasses import dataclass, field
 
 import pytest
-
 from agentrl.envs import PythonSandboxEnv, SandboxLimits, run_sandboxed
 from agentrl.envs._bwrap import SANDBOX_UID
 from agentrl.envs.python_sandbox import MARKER
-
-pytestmark = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed "
-                                "(scripts/setup_venv.sh installs it; run_sandboxed refuses to run without it)")
 
 KERNEL_ONLY = SandboxLimits(cpu_time_s=1, wall_time_s=1.5, memory_mb=256, max_output_bytes=8192,
                             max_file_bytes=1 << 20, max_processes=16, max_disk_bytes=8 << 20, audit_hook_layer=False)
@@ -80,7 +75,7 @@ class Judge:
         assert self.received == [], f"a host listener was reached: {self.received}"
         assert SECRET not in output, "the host's secret came back in the output"
         assert self.victim.poll() is None, "the victim process (host uid of the sandbox) was killed"
-        assert open("/proc/sys/kernel/core_pattern").read() == self.core_pattern
+        assert _core_pattern() == self.core_pattern
         left = leftovers(self.victim.pid, self.before)
         assert not left, f"processes left after the run:\n{left}"
 
@@ -119,11 +114,17 @@ def win(how=""):
 '''
 
 
+def _core_pattern() -> str:
+    with open("/proc/sys/kernel/core_pattern") as f:
+        return f.read()
+
+
 def leftovers(victim_pid: int, before: frozenset = frozenset()) -> str:
     """``ps`` lines of processes of the sandbox uid, or children of this process, other than the victim
     and those in ``before``."""
     me = os.getpid()
-    lines = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,uid=,stat=,args="], capture_output=True, text=True).stdout
+    lines = subprocess.run(["ps", "-e", "-o", "pid=,ppid=,uid=,stat=,args="], capture_output=True, text=True,
+                           check=False).stdout
     rows = [line.split(None, 4) for line in lines.splitlines()]
     by_parent: dict[int, list[int]] = {}
     for row in rows:
@@ -197,7 +198,7 @@ def judge_base():
     unix_path, abstract = f"/tmp/agentrl-escape-{TOKEN}.sock", f"agentrl-escape-{TOKEN}"
     port, thread = _listen(received, stop, unix_path, abstract)
     judge = Judge(port, unix_path, abstract, secret_file, secret_dir, keep_dir, victim,
-                  open("/proc/sys/kernel/core_pattern").read(), received)
+                  _core_pattern(), received)
     judge.before = frozenset(int(line.split()[0]) for line in leftovers(victim.pid).splitlines())
     yield judge
     stop.set()
