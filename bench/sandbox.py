@@ -69,13 +69,14 @@ def episode(env: PythonSandboxEnv, seed: int) -> float:
 
 def episodes_per_s(num_episodes: int, concurrency: int, backend: str) -> float:
     envs = [PythonSandboxEnv(sandbox_backend=backend) for _ in range(concurrency)]
+
+    def worker(k: int) -> None:  # one env per thread, as one rollout actor drives one env at a time
+        for seed in range(k, num_episodes, concurrency):
+            episode(envs[k], seed)
+
     start = time.perf_counter()
-    if concurrency == 1:
-        for seed in range(num_episodes):
-            episode(envs[0], seed)
-    else:
-        with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(lambda s: episode(envs[s % concurrency], s), range(num_episodes)))
+    with ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(worker, range(concurrency)))
     return num_episodes / (time.perf_counter() - start)
 
 

@@ -149,7 +149,8 @@ def spawn_identity() -> tuple[list[str], dict]:
     return [], {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
 
 
-def bwrap_command(*, code_fd: int, child_fd: int, info_fd: int, disk_bytes: int, argv: list[str]) -> list[str]:
+def bwrap_command(*, code_fd: int, child_fd: int, info_fd: int, disk_bytes: int, argv: list[str],
+                  seccomp_fd: int | None = None) -> list[str]:
     """The ``bwrap`` command that runs ``python -I -S CHILD_PATH *argv`` with ``main.py`` from ``code_fd``.
 
     Args:
@@ -158,6 +159,7 @@ def bwrap_command(*, code_fd: int, child_fd: int, info_fd: int, disk_bytes: int,
         info_fd: writable descriptor where bwrap reports the host PID of the sandbox's init.
         disk_bytes: size of the ``/sandbox`` tmpfs (all files the program writes, together).
         argv: arguments after the child script.
+        seccomp_fd: readable descriptor of a BPF seccomp program applied to the program, or None.
     """
     executable, binds = _interpreter_binds()
     prefix, _ = spawn_identity()
@@ -172,6 +174,8 @@ def bwrap_command(*, code_fd: int, child_fd: int, info_fd: int, disk_bytes: int,
         if os.path.islink(link) and os.readlink(link) == target and os.path.isdir(os.path.join("/", target)):
             cmd += ["--symlink", target, link]  # merged-/usr: keep the loader's /lib64 path working
     cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--size", str(disk_bytes), "--tmpfs", WORKDIR]
+    if seccomp_fd is not None:
+        cmd += ["--seccomp", str(seccomp_fd)]
     cmd += ["--file", str(code_fd), f"{WORKDIR}/main.py", "--ro-bind-data", str(child_fd), CHILD_PATH,
             "--symlink", WORKDIR, "/tmp", "--chdir", WORKDIR, "--remount-ro", "/",
             executable, "-I", "-S", "-B", CHILD_PATH, *argv]

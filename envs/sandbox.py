@@ -30,10 +30,12 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.envs._bwrap import BwrapUnavailableError, bwrap_command, check_bwrap, spawn_identity
+from agentrl.envs._seccomp import seccomp_bpf
 
 __all__ = ["BACKENDS", "DEFAULT_BLOCKED_MODULES", "BwrapUnavailableError", "SandboxLimits", "SandboxResult",
            "run_sandboxed"]
@@ -206,6 +208,16 @@ def _child_source() -> bytes:
     return Path(_CHILD).read_bytes()
 
 
+@functools.lru_cache(maxsize=1)
+def _seccomp_filter() -> bytes | None:
+    try:
+        return seccomp_bpf()
+    except (ImportError, OSError, RuntimeError) as exc:  # an extra layer: its absence is said, not fatal
+        warnings.warn(f"agentrl sandbox: no seccomp filter ({exc}); install pyseccomp and libseccomp2 for it. "
+                      "The namespaces and the unprivileged uid still hold.", RuntimeWarning, stacklevel=3)
+        return None
+
+
 def _memfd(name: str, data: bytes) -> int:
     fd = os.memfd_create(name)
     os.write(fd, data)
@@ -293,15 +305,18 @@ def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
     config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + bwrap's init, python
     code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
     child_fd = _memfd("child.py", _child_source())
+    bpf = _seccomp_filter()
+    seccomp_fd = None if bpf is None else _memfd("seccomp", bpf)
     info_r, info_w = os.pipe()
+    passed = tuple(fd for fd in (code_fd, child_fd, info_w, seccomp_fd) if fd is not None)
     try:
         cmd = bwrap_command(code_fd=code_fd, child_fd=child_fd, info_fd=info_w, disk_bytes=limits.max_disk_bytes,
-                            argv=[config])
-        proc = subprocess.Popen(cmd, pass_fds=(code_fd, child_fd, info_w), env={}, stdin=subprocess.DEVNULL,
+                            argv=[config], seccomp_fd=seccomp_fd)
+        proc = subprocess.Popen(cmd, pass_fds=passed, env={}, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                                 **spawn_identity()[1])
     finally:
-        for fd in (code_fd, child_fd, info_w):
+        for fd in passed:
             os.close(fd)
     init_pidfd = None
     try:

@@ -171,3 +171,10 @@ def test_child_config_round_trips(blocked, hook, nproc):
     config = _sandbox_child._parse_config(sandbox.encode_config(limits, nproc, hook))
     assert config["blocked_modules"] == blocked and config["hook"] == int(hook) and config["nproc"] == nproc
     assert config["memory_mb"] == limits.memory_mb and config["max_open_files"] == limits.max_open_files
+
+
+def test_seccomp_refuses_kernel_interfaces_a_program_does_not_need():
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "for nr in (101, 425, 321, 323):  # ptrace, io_uring_setup, bpf, userfaultfd\n"
+            "    print(libc.syscall(nr, 0, 0, 0, 0), ctypes.get_errno())")
+    assert run_sandboxed(code, SandboxLimits(audit_hook_layer=False)).output.split("\n")[:4] == ["-1 1"] * 4  # EPERM

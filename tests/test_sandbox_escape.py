@@ -548,12 +548,13 @@ except OSError as e:
     print("no", e)
 win("mount")
 ''')
-attack("keyctl, bpf, userfaultfd and perf_event_open", '''
+attack("keyctl, bpf, userfaultfd, perf_event_open and io_uring", '''
 import ctypes
 libc = ctypes.CDLL(None, use_errno=True)
 libc.syscall.restype = ctypes.c_long
 for name, nr, args in (("keyctl", 250, (0, 0, 0)), ("bpf", 321, (0, 0, 0)), ("userfaultfd", 323, (0,)),
-                       ("perf_event_open", 298, (0, 0, 0)), ("kexec_load", 246, (0, 0, 0)), ("init_module", 175, (0, 0, 0))):
+                       ("perf_event_open", 298, (0, 0, 0)), ("kexec_load", 246, (0, 0, 0)), ("init_module", 175, (0, 0, 0)),
+                       ("io_uring_setup", 425, (8, 0))):
     print(name, libc.syscall(nr, *args), ctypes.get_errno())
 win("syscalls")
 ''')
