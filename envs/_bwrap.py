@@ -27,6 +27,7 @@ import stat
 import subprocess
 import sys
 import sysconfig
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,7 +86,7 @@ def _view(paths: list[str]) -> str:
     root = Path("/var/cache/agentrl-sandbox") / tag
     if (root / ".ready").exists():
         return str(root)
-    tmp = root.with_name(f"{tag}.tmp{os.getpid()}")
+    tmp = root.with_name(f"{tag}.tmp{os.getpid()}-{threading.get_ident()}")
     shutil.rmtree(tmp, ignore_errors=True)
 
     def place(src: str, dst: str) -> None:
@@ -182,9 +183,17 @@ def bwrap_command(*, code_fd: int, child_fd: int, info_fd: int, disk_bytes: int,
     return cmd
 
 
-@functools.lru_cache(maxsize=1)
+_CHECK_LOCK = threading.Lock()  # the first runs may start from many threads at once
+
+
 def check_bwrap() -> None:
     """Check once that bwrap exists and can build the sandbox here; raise with the fix when not."""
+    with _CHECK_LOCK:
+        _check_once()
+
+
+@functools.lru_cache(maxsize=1)
+def _check_once() -> None:
     if shutil.which("bwrap") is None:
         raise BwrapUnavailableError(f"the sandbox needs bubblewrap (`bwrap`), which is not installed: {INSTALL_HINT}")
     code_r, child_r, (info_r, info_w) = os.memfd_create("code"), os.memfd_create("child"), os.pipe()

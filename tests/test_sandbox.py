@@ -147,14 +147,14 @@ def test_the_weaker_backend_runs_only_when_chosen():
 def test_missing_bwrap_is_a_clear_error_not_a_silent_downgrade(monkeypatch):
     from agentrl.envs import _bwrap
 
-    _bwrap.check_bwrap.cache_clear()
+    _bwrap._check_once.cache_clear()
     monkeypatch.setattr(_bwrap.shutil, "which", lambda name: None)
     try:
         with pytest.raises(BwrapUnavailableError, match="apt-get install bubblewrap.*backend='audit_hook'"):
             run_sandboxed("print(1)", LIMITS)
     finally:
         monkeypatch.undo()
-        _bwrap.check_bwrap.cache_clear()
+        _bwrap._check_once.cache_clear()
     assert run_sandboxed("print(1)", LIMITS).describe() == "1"
 
 
