@@ -10,7 +10,7 @@ What the sandboxed program gets (the kernel enforces all of it, nothing here run
   loopback interface of its own, reaches no host Unix socket; ``--new-session`` (no terminal ioctls);
 - a new mount namespace whose root is an empty read-only tmpfs holding: read-only binds of the Python
   interpreter, its standard library and the shared-library directories it loads from; a fresh ``/proc``
-  and a minimal ``/dev``; a size-limited private tmpfs ``/sandbox`` (also ``/tmp``) as the working directory.
+  and a minimal read-only ``/dev``; a size-limited private tmpfs ``/sandbox`` (also ``/tmp``) as the working directory.
   No host ``/etc``, ``/home``, ``/root`` contents, ``/usr/bin``, project files or environment variables.
 - ``--die-with-parent`` and a PID-namespace init: when its init is killed, the kernel kills everything
   the program started, sessions and daemons included.
@@ -103,12 +103,8 @@ def _view(paths: list[str]) -> str:
         else:
             dest.parent.mkdir(parents=True, exist_ok=True)
             place(path, str(dest))
-    for dirpath, dirnames, filenames in os.walk(tmp):
+    for dirpath, _, _ in os.walk(tmp):  # new directories only: a file's mode is its original's (hard link)
         os.chmod(dirpath, 0o755)
-        for name in filenames:
-            full = os.path.join(dirpath, name)
-            if not os.path.islink(full):
-                os.chmod(full, os.stat(full).st_mode | 0o444)
     (tmp / ".ready").touch()
     root.parent.mkdir(parents=True, exist_ok=True)
     os.chmod(root.parent, 0o755)

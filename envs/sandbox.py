@@ -55,7 +55,7 @@ class SandboxLimits:
 
     Args:
         cpu_time_s: CPU seconds before the kernel kills the process.
-        wall_time_s: wall-clock seconds before the process group is killed.
+        wall_time_s: wall-clock seconds before everything the program started is killed.
         memory_mb: address-space limit (allocations beyond it raise MemoryError).
         max_output_bytes: stdout+stderr kept; the process is killed when it writes more.
         max_file_bytes: largest file the code may write.
