@@ -141,7 +141,7 @@ def test_the_weaker_backend_runs_only_when_chosen():
     env = PythonSandboxEnv(sandbox_backend="audit_hook")
     env.reset(seed=0)
     obs, *_ = env.step(format_tool_call("run_python", {"code": "import os\nprint(os.getuid() == 65534)"}))
-    assert obs[0]["content"] in ("True", "False")  # it ran, outside bwrap's uid when the caller is root
+    assert obs[0]["content"] == "False"  # it ran as the caller: no user namespace, no uid 65534
 
 
 def test_missing_bwrap_is_a_clear_error_not_a_silent_downgrade(monkeypatch):
