@@ -21,6 +21,7 @@ This module knows nothing of limits or results (``sandbox.py``) or of what runs 
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import shutil
 import stat
@@ -67,6 +68,8 @@ def _needed_library_dirs(executable: str, dynload: str) -> list[str]:
     if not dirs:
         out = subprocess.run(["ldd", *objects], capture_output=True, text=True, timeout=60, check=False).stdout
         for line in out.splitlines():
+            if not line[:1].isspace():  # "path/of/object:" headers, not libraries
+                continue
             parts = line.split("=>")
             target = (parts[1] if len(parts) > 1 else parts[0]).strip().split(" (")[0].strip()
             if target.startswith("/"):
@@ -82,7 +85,8 @@ def _view(paths: list[str]) -> str:
     Made once per interpreter and kept; the sandbox binds it read-only at the original paths.
     """
     exe = os.stat(os.path.realpath(sys.executable))
-    tag = f"{sys.implementation.cache_tag}-{exe.st_dev}-{exe.st_ino}-{int(exe.st_mtime)}"
+    what = hashlib.sha256("\n".join(paths).encode()).hexdigest()[:12]
+    tag = f"{sys.implementation.cache_tag}-{exe.st_dev}-{exe.st_ino}-{int(exe.st_mtime)}-{what}"
     root = Path("/var/cache/agentrl-sandbox") / tag
     if (root / ".ready").exists():
         return str(root)
@@ -119,7 +123,9 @@ def _view(paths: list[str]) -> str:
 def _interpreter_binds() -> tuple[str, tuple[_Bind, ...]]:
     """(interpreter path inside the sandbox, read-only binds that make it run), computed once."""
     executable = os.path.realpath(sys.executable)
-    paths = sysconfig.get_paths()
+    # the base installation's paths: in a virtualenv the default ones point into the venv (site-packages)
+    paths = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
+                                      "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix})
     dynload = os.path.join(paths["platstdlib"], "lib-dynload")
     wanted = [executable, paths["stdlib"], paths["platstdlib"], *_needed_library_dirs(executable, dynload)]
     if os.path.isdir(dynload) and not os.path.realpath(dynload).startswith(os.path.realpath(paths["platstdlib"])):
