@@ -53,7 +53,12 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, *, model_path: str | None = None, resume: bool = False, progress: bool = True) -> None:
+        from agentrl.actors.runtime_env import build_runtime_env
+        from agentrl.env_ids import check_env
+
         self.cfg = cfg
+        check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
+        self.runtime_env = build_runtime_env(cfg)
         self.model_path = model_path or resolve_model_path(cfg)
         self.resume = resume
         self.progress = progress
@@ -75,8 +80,10 @@ class Trainer:
         from agentrl.actors.learner import LearnerGroup
         from agentrl.actors.replay import ReplayActor
         from agentrl.actors.rollout import RolloutActor
+        from agentrl.actors.runtime_env import join_job_runtime_env
 
         cfg = self.cfg
+        rollout_runtime_env = None  # the job's: agentrl starts Ray with self.runtime_env for every actor
         if not ray.is_initialized():
             ray.init(
                 address=cfg.cluster.address,
@@ -84,7 +91,10 @@ class Trainer:
                 include_dashboard=False,
                 log_to_driver=os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
                 configure_logging=False,
+                runtime_env=self.runtime_env or None,
             )
+        else:  # the caller started Ray: the rollout actors, which import the env, get it on top of the job's
+            rollout_runtime_env = join_job_runtime_env(self.runtime_env)
         # The replay queue (and the staged weights) lives on the driver's node: it holds the run's
         # in-flight state, and a node that holds an engine may go away (tests/test_cluster.py).
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -104,7 +114,7 @@ class Trainer:
         if self.resume:
             self._restore()
         self.rollouts = [
-            RolloutActor.options(num_cpus=0, resources=cfg.rollout.resources).remote(
+            RolloutActor.options(num_cpus=0, resources=cfg.rollout.resources, runtime_env=rollout_runtime_env).remote(
                 cfg, self.engines, self.replay, i, self.model_path)
             for i in range(cfg.rollout.num_actors)
         ]
