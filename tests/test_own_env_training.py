@@ -55,14 +55,14 @@ def test_cluster_nodes_get_the_env_module_through_the_runtime_env(tiny_model_dir
     cores_before = engine_cores()
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     cluster.add_node(num_cpus=1, resources={"engine_slot": 1})
-    cluster.add_node(num_cpus=1, resources={"learner_slot": 1, "rollout_slot": 2})
+    cluster.add_node(num_cpus=1, resources={"learner_slot": 1, "rollout_slot": 3})  # 2 rollout actors + a probe
     run_dir = tmp_path / "run"
     cfg = load_config(None, e2e_overrides(
         tiny_model_dir, run_dir, f"env.id={module}:user/Units-v0", *TRAIN, f"cluster.address={cluster.address}",
         "engine.resources={engine_slot: 1}", "learner.resources={learner_slot: 1}",
         "rollout.resources={rollout_slot: 1}"))
 
-    @ray.remote(num_cpus=0, resources={"rollout_slot": 0.01})
+    @ray.remote(num_cpus=0, resources={"rollout_slot": 1})
     def importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
 
@@ -70,7 +70,7 @@ def test_cluster_nodes_get_the_env_module_through_the_runtime_env(tiny_model_dir
     try:
         # Without the runtime_env, the rollout node cannot import the module: the run below would fail.
         ray.init(address=cluster.address, log_to_driver=False)
-        assert not ray.get(importable.remote(module))
+        assert not ray.get(importable.remote(module), timeout=120)
         ray.shutdown()
 
         trainer = Trainer(cfg, progress=False)
@@ -78,7 +78,7 @@ def test_cluster_nodes_get_the_env_module_through_the_runtime_env(tiny_model_dir
         trainer.start()  # agentrl joins the cluster itself, with the runtime_env
         rollout_node = ray.get(trainer.rollouts[0].node_id.remote())
         assert rollout_node != ray.get_runtime_context().get_node_id()
-        assert ray.get(importable.remote(module))
+        assert ray.get(importable.remote(module), timeout=120)
         summary = trainer.run()
         assert summary["final/train/version"] == 2
     finally:
