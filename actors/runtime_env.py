@@ -3,7 +3,9 @@
 On one machine, Ray's workers import what the driver's working directory holds; on a cluster
 they do not, so the package (or file) named by ``env.id=module:EnvId`` is added to
 ``py_modules`` (unless it is installed, or ``cluster.ship_env_module=false``): Ray uploads it
-once and puts it on the path of every worker that uses this runtime environment, on any node.
+once and puts it on the path of every worker of the job, on any node. Ray accepts local paths
+only at the job level, so the result is given to ``ray.init`` (by the trainer, or by a caller
+that starts Ray itself: ``ray.init(..., runtime_env=trainer.runtime_env)``).
 
 Knows nothing of the trainer's loop or of the actors it is given to.
 """
@@ -16,7 +18,7 @@ from typing import Any
 from agentrl.config import Config, ConfigError
 from agentrl.env_ids import env_module_path
 
-__all__ = ["build_runtime_env", "join_job_runtime_env"]
+__all__ = ["build_runtime_env"]
 
 
 def build_runtime_env(cfg: Config) -> dict[str, Any]:
@@ -52,20 +54,3 @@ def build_runtime_env(cfg: Config) -> dict[str, Any]:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"cluster.runtime_env: {exc}") from None
     return runtime_env
-
-
-def join_job_runtime_env(runtime_env: dict[str, Any]) -> dict[str, Any] | None:
-    """``runtime_env`` on top of the running job's (for actors when the caller started Ray):
-    ``py_modules`` and ``env_vars`` are combined, other keys of ``runtime_env`` win. None when
-    ``runtime_env`` is empty (the actors keep the job's own)."""
-    import ray
-
-    if not runtime_env:
-        return None
-    job = dict(ray.get_runtime_context().runtime_env or {})
-    joined = {**job, **runtime_env}
-    if "py_modules" in job or "py_modules" in runtime_env:
-        joined["py_modules"] = [*(job.get("py_modules") or []), *(runtime_env.get("py_modules") or [])]
-    if "env_vars" in job or "env_vars" in runtime_env:
-        joined["env_vars"] = {**(job.get("env_vars") or {}), **(runtime_env.get("env_vars") or {})}
-    return joined

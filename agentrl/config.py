@@ -328,8 +328,8 @@ class ClusterConfig(Section):
     """CPUs of the local Ray instance (None: all of the machine's)."""
     runtime_env: dict[str, Any] = Field(default_factory=dict)
     """Ray runtime environment of the run's actors (`working_dir`, `py_modules`, `pip`, `env_vars`,
-    ...: Ray's "Environment dependencies" guide). Given to `ray.init` when agentrl starts or joins
-    Ray; if the caller already initialized Ray, applied to the rollout actors."""
+    ...: Ray's "Environment dependencies" guide), given to `ray.init` when agentrl starts or joins
+    Ray. A program that calls `ray.init` itself passes `Trainer(cfg).runtime_env` to it."""
     ship_env_module: bool = True
     """Add the package (or file) of env.id's `module:` part to `runtime_env.py_modules` unless it
     is installed, so that nodes without the user's code import it."""

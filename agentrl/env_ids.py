@@ -188,8 +188,9 @@ def check_env(env_id: str, kwargs: dict[str, Any] | None = None, *, key: str = "
     try:
         if need_expert and getattr(env.unwrapped, "expert", None) is None:
             raise ConfigError(
-                f"sft.enabled: SFT learns from the env's expert(seed) demonstrator, and '{name}' has none; "
-                "set sft.enabled=false (RL from the start), or give the env an `expert` method")
+                f"sft.enabled: SFT (the warm start, `agentrl sft`) learns from the env's expert(seed) "
+                f"demonstrator, and '{name}' has none: train with sft.enabled=false (RL from the start), "
+                "or give the env an `expert` method")
     finally:
         env.close()
     return name

@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -80,10 +81,8 @@ class Trainer:
         from agentrl.actors.learner import LearnerGroup
         from agentrl.actors.replay import ReplayActor
         from agentrl.actors.rollout import RolloutActor
-        from agentrl.actors.runtime_env import join_job_runtime_env
 
         cfg = self.cfg
-        rollout_runtime_env = None  # the job's: agentrl starts Ray with self.runtime_env for every actor
         if not ray.is_initialized():
             ray.init(
                 address=cfg.cluster.address,
@@ -93,8 +92,9 @@ class Trainer:
                 configure_logging=False,
                 runtime_env=self.runtime_env or None,
             )
-        else:  # the caller started Ray: the rollout actors, which import the env, get it on top of the job's
-            rollout_runtime_env = join_job_runtime_env(self.runtime_env)
+        elif cfg.cluster.runtime_env:  # Ray takes local paths at the job level only: ray.init's
+            warnings.warn("cluster.runtime_env has no effect: Ray was initialized before the Trainer started; "
+                          "pass runtime_env=trainer.runtime_env to ray.init instead", stacklevel=2)
         # The replay queue (and the staged weights) lives on the driver's node: it holds the run's
         # in-flight state, and a node that holds an engine may go away (tests/test_cluster.py).
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -114,7 +114,7 @@ class Trainer:
         if self.resume:
             self._restore()
         self.rollouts = [
-            RolloutActor.options(num_cpus=0, resources=cfg.rollout.resources, runtime_env=rollout_runtime_env).remote(
+            RolloutActor.options(num_cpus=0, resources=cfg.rollout.resources).remote(
                 cfg, self.engines, self.replay, i, self.model_path)
             for i in range(cfg.rollout.num_actors)
         ]

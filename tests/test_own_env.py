@@ -114,6 +114,15 @@ def test_sft_on_an_env_without_expert_is_reported(tmp_path, capsys):
     assert "sft.enabled" in err and "has none" in err
 
 
+def test_sft_and_eval_commands_check_the_env_first(tmp_path, capsys, tiny_model_dir):
+    cfg = ["configs/quickstart.yaml", f"model.path={tmp_path / 'no-model'}", f"env.id={UNITS}"]
+    assert main(["sft", str(REPO / cfg[0]), *cfg[1:]]) == 2
+    assert "has none" in capsys.readouterr().err
+    assert main(["eval", "--model", tiny_model_dir, "--env", "agentrl/Calculater-v0"]) == 2
+    err = capsys.readouterr().err
+    assert "--env: 'agentrl/Calculater-v0' is not a registered env" in err and "Did you mean" in err
+
+
 def test_runtime_env_typo_is_reported(tmp_path, capsys):
     err = train_cli(tmp_path, capsys, "sft.enabled=false", f"env.id={UNITS}", "cluster.runtime_env={py_modulez: [x]}")
     assert "cluster.runtime_env: unknown key 'py_modulez'; did you mean 'py_modules'?" in err
