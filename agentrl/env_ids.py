@@ -92,7 +92,7 @@ def import_env_module(env_id: str, *, key: str = "env.id") -> str:
             ) from None
         raise ConfigError(f"{key}: importing module '{module}' (of '{env_id}') failed: "
                           f"{type(exc).__name__}: {exc}{_where(exc)}") from None
-    except Exception as exc:  # the user's module raised while importing: name it and where
+    except Exception as exc:  # noqa: BLE001  (the user's module may raise anything: name it and where)
         raise ConfigError(f"{key}: importing module '{module}' (of '{env_id}') failed: "
                           f"{type(exc).__name__}: {exc}{_where(exc)}") from None
     return name
@@ -181,7 +181,7 @@ def check_env(env_id: str, kwargs: dict[str, Any] | None = None, *, key: str = "
         where = kwargs_key if kwargs else key
         raise ConfigError(f"{where}: '{name}' rejected the keyword arguments {kwargs}: "
                           f"{_kwargs_message(spec.entry_point, exc)}") from None
-    except Exception as exc:  # the env's constructor raised: a bad kwarg value, a missing resource
+    except Exception as exc:  # noqa: BLE001  (the env's constructor: a bad kwarg value, a missing resource)
         where = kwargs_key if kwargs else key
         raise ConfigError(f"{where}: making '{name}' with {kwargs or 'no keyword arguments'} failed: "
                           f"{type(exc).__name__}: {exc}{_where(exc)}") from None
