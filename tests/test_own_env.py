@@ -7,10 +7,10 @@ import ast
 import sys
 from pathlib import Path
 
+import agentrl.envs  # noqa: F401  (built-ins registered at collection, before tests that pop what they register)
 import gymnasium
 import pytest
 
-import agentrl.envs  # noqa: F401  (built-ins registered at collection, before tests that pop what they register)
 from agentrl.cli import main
 from agentrl.config import ConfigError, load_config
 from agentrl.env_ids import check_env, env_module_path, import_env_module, split_env_id
