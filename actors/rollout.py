@@ -52,15 +52,22 @@ class RolloutActor:
         import gymnasium as gym
         from transformers import AutoTokenizer
 
-        import agentrl.envs  # noqa: F401  (registers the built-in envs)
         from agentrl.chat import ChatRenderer
+        from agentrl.config import ConfigError
+        from agentrl.env_ids import import_env_module
 
         self.cfg = cfg
         self.replay = replay
         self.index = actor_index
         self.router = Router(engines)
         self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path))
-        self.make_env = lambda: gym.make(cfg.env.id, **cfg.env.kwargs)
+        try:  # the driver imported it; a node of a cluster has it only through the runtime_env
+            env_name = import_env_module(cfg.env.id)
+        except ConfigError as err:
+            raise ConfigError(f"rollout actor {actor_index} on node {ray.util.get_node_ip_address()}: {err} "
+                              "(other nodes get the module through cluster.ship_env_module or "
+                              "cluster.runtime_env)") from None
+        self.make_env = lambda: gym.make(env_name, **cfg.env.kwargs)
         self.make_env().close()  # fail fast on a bad env id or kwargs
         self._stop = False
         self._tasks = itertools.count()

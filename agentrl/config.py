@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 __all__ = [
     "FAST_OPTIONS",
@@ -86,11 +86,25 @@ class ModelConfig(Section):
 
 class EnvConfig(Section):
     id: str = "agentrl/Calculator-v0"
-    """Registered Gymnasium id of the training environment."""
+    """Gymnasium id of the training environment, or `module:EnvId` (Gymnasium's form) to import
+    `module` first, e.g. `examples.units_env:my/Units-v0`; the module is looked up on the Python
+    path, then in the current directory, and imported in the driver and in every rollout actor."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to `gymnasium.make`."""
     step_timeout_s: float = Field(30.0, gt=0)
     """An env step that takes longer marks the episode failed."""
+
+    @field_validator("id")
+    @classmethod
+    def _module_colon_id(cls, value: str) -> str:
+        module, sep, name = value.partition(":")
+        if not value or (sep and not name) or ":" in name:
+            raise ValueError("expected EnvId or module:EnvId (one ':'), e.g. examples.units_env:my/Units-v0")
+        if sep and not all(part.isidentifier() for part in module.split(".")):
+            dotted = module.removesuffix(".py").replace("/", ".").replace("\\", ".")
+            raise ValueError(f"'{module}' is not a Python module name; write it dotted, as in import "
+                             f"statements (e.g. {dotted}:{name})")
+        return value
 
 
 class RolloutConfig(Section):
@@ -420,6 +434,13 @@ class ClusterConfig(Section):
     """Ray cluster to join; None starts a local one."""
     num_cpus: int | None = None
     """CPUs of the local Ray instance (None: all of the machine's)."""
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    """Ray runtime environment of the run's actors (`working_dir`, `py_modules`, `pip`, `env_vars`,
+    ...: Ray's "Environment dependencies" guide), given to `ray.init` when agentrl starts or joins
+    Ray. A program that calls `ray.init` itself passes `Trainer(cfg).runtime_env` to it."""
+    ship_env_module: bool = True
+    """Add the package (or file) of env.id's `module:` part to `runtime_env.py_modules` unless it
+    is installed, so that nodes without the user's code import it."""
 
 
 class Config(Section):

@@ -25,13 +25,13 @@ async def run_episodes(model: str, env_id: str, num_episodes: int, seed_offset: 
     import gymnasium as gym
     from transformers import AutoTokenizer
 
-    import agentrl.envs  # noqa: F401
     from agentrl.chat import ChatRenderer
     from agentrl.config import EngineConfig, RolloutConfig
     from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.env_ids import check_env
     from agentrl.rollout import run_episode
 
-    gym.spec(env_id)  # unknown ids fail here, with gymnasium's suggestions
+    env_id = check_env(env_id, key="--env")  # unknown ids fail here, with gymnasium's suggestions
     cfg = RolloutConfig(**rollout_overrides)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
     engine = VLLMEngine(model, EngineConfig(max_model_len=max(2048, cfg.max_total_tokens)))
@@ -71,6 +71,9 @@ def evaluate_model(model: str, env_id: str, *, num_episodes: int = 64, seed_offs
     """Evaluate ``model`` (HF directory) on ``num_episodes`` seeds of ``env_id`` starting at ``seed_offset``."""
     from pathlib import Path
 
+    from agentrl.env_ids import check_env
+
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"--model: '{model}' is not a Hugging Face model directory (no config.json)")
+    check_env(env_id, key="--env")  # before the engine starts
     return asyncio.run(_evaluate(model, env_id, num_episodes, seed_offset, temperature, rollout_overrides))

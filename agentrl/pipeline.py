@@ -22,8 +22,13 @@ def _explicit_ray_auth_mode(cfg: Config) -> None:
 
 def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     _explicit_ray_auth_mode(cfg)
+    from agentrl.actors.runtime_env import build_runtime_env
+    from agentrl.env_ids import check_env
     from agentrl.trainer import Trainer, resolve_model_path
 
+    # Mistakes in the env or the runtime env fail here, before the model is made, SFT or Ray start.
+    check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)
+    build_runtime_env(cfg)
     model_path = resolve_model_path(cfg)
     summary: dict[str, Any] = {}
     if cfg.sft.enabled:

@@ -43,9 +43,9 @@ def build_demonstrations(
     """(token ids, loss mask) of the expert's episodes on ``seeds``."""
     import gymnasium as gym
 
-    import agentrl.envs  # noqa: F401
+    from agentrl.env_ids import import_env_module
 
-    env = gym.make(env_id, **(env_kwargs or {}))
+    env = gym.make(import_env_module(env_id), **(env_kwargs or {}))
     expert = getattr(env.unwrapped, "expert", None)
     if expert is None:
         raise ValueError(f"{env_id} has no expert(seed) demonstrator; SFT needs one")
@@ -88,6 +88,9 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     from agentrl.packing import make_microbatches, pack_sequences
     from agentrl.trainer import resolve_model_path
 
+    from agentrl.env_ids import check_env
+
+    check_env(cfg.env.id, cfg.env.kwargs, need_expert=True)  # before the model loads
     sc = cfg.sft
     base = model_path or resolve_model_path(cfg)
     out = Path(sc.output_dir)

@@ -14,6 +14,7 @@ import pickle
 import shutil
 import time
 import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -55,7 +56,12 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, *, model_path: str | None = None, resume: bool = False, progress: bool = True) -> None:
+        from agentrl.actors.runtime_env import build_runtime_env
+        from agentrl.env_ids import check_env
+
         self.cfg = cfg
+        check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
+        self.runtime_env = build_runtime_env(cfg)
         self.model_path = model_path or resolve_model_path(cfg)
         self.resume = resume
         self.progress = progress
@@ -91,7 +97,11 @@ class Trainer:
                 include_dashboard=False,
                 log_to_driver=os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
                 configure_logging=False,
+                runtime_env=self.runtime_env or None,
             )
+        elif cfg.cluster.runtime_env:  # Ray takes local paths at the job level only: ray.init's
+            warnings.warn("cluster.runtime_env has no effect: Ray was initialized before the Trainer started; "
+                          "pass runtime_env=trainer.runtime_env to ray.init instead", stacklevel=2)
         # The replay queue (and the staged weights) lives on the driver's node: it holds the run's
         # in-flight state, and a node that holds an engine may go away (tests/test_cluster.py).
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
