@@ -59,8 +59,19 @@ class RolloutActor:
         self.replay = replay
         self.index = actor_index
         self.router = Router(engines)
-        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path))
-        self.make_env = lambda: gym.make(cfg.env.id, **cfg.env.kwargs)
+        from agentrl.envs.base import set_tool_parser
+        from agentrl.tool_calls import build_tool_parser
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.renderer = ChatRenderer(tokenizer)
+        self.tool_parser = build_tool_parser(cfg.rollout.tool_parser, model_path, tokenizer)
+
+        def make_env():
+            env = gym.make(cfg.env.id, **cfg.env.kwargs)
+            set_tool_parser(env, self.tool_parser)
+            return env
+
+        self.make_env = make_env
         self.make_env().close()  # fail fast on a bad env id or kwargs
         self._stop = False
         self._tasks = itertools.count()
