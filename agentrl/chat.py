@@ -15,6 +15,8 @@ nothing of engines, envs or Ray.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from agentrl.tool_calls import ToolCall, ToolCallParse, format_tool_call, format_tool_calls, parse_tool_calls
@@ -31,6 +33,14 @@ __all__ = [
 _PLACEHOLDER = "\u2063agentrl-placeholder\u2063"
 
 
+def _generation_eos_ids(tokenizer: Any) -> list[int]:
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    if not path.is_file():
+        return []
+    ids = json.loads(path.read_text()).get("eos_token_id")
+    return [ids] if isinstance(ids, int) else [i for i in ids or [] if isinstance(i, int)]
+
+
 class ChatRenderer:
     """Renders chat messages to token ids with a tokenizer's chat template.
 
@@ -40,7 +50,8 @@ class ChatRenderer:
 
     Attributes:
         end_of_turn_id: the token the template puts right after an assistant message's content.
-        stop_token_ids: ids that end a sampled turn (the end-of-turn token and the EOS token).
+        stop_token_ids: ids that end a sampled turn: the end-of-turn token, the EOS token and the
+            checkpoint's ``generation_config.json`` EOS ids (where vLLM stops; Llama 3's ``<|eom_id|>``).
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -51,7 +62,7 @@ class ChatRenderer:
         self.end_of_turn: str = self._find_end_of_turn()
         self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
         self.stop_token_ids: frozenset[int] = frozenset(
-            i for i in (self.end_of_turn_id, self.eos_token_id) if i is not None)
+            i for i in (self.end_of_turn_id, self.eos_token_id, *_generation_eos_ids(tokenizer)) if i is not None)
 
     def _template(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(

@@ -41,8 +41,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-turns", type=int, default=4)
 
-    p = sub.add_parser("bootstrap-tiny", help="write a tiny random Qwen2 model with tokenizer and chat template")
+    p = sub.add_parser("bootstrap-tiny", help="write a tiny random model of a family, with tokenizer and chat template")
     p.add_argument("dir")
+    p.add_argument("--family", choices=["qwen2", "qwen3", "llama3", "mistral"], default="qwen2",
+                   help="architecture, special tokens and chat-template format (default: qwen2)")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("plot", help="write PNG plots of a run directory")
@@ -101,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bootstrap-tiny":
             from agentrl.tiny import bootstrap_tiny
 
-            print(bootstrap_tiny(args.dir, seed=args.seed))
+            print(bootstrap_tiny(args.dir, seed=args.seed, family=args.family))
         elif args.command == "plot":
             from agentrl.plot import plot_run
 

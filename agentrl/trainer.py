@@ -34,12 +34,20 @@ def resolve_model_path(cfg: Config) -> str:
         if cfg.model.bootstrap_tiny:
             from agentrl.tiny import bootstrap_tiny
 
-            bootstrap_tiny(path, seed=cfg.seed)
+            bootstrap_tiny(path, seed=cfg.seed, family=cfg.model.family)
         else:
             raise ConfigError(
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json). "
                 "Point it at a local checkpoint, or set model.bootstrap_tiny=true to create a tiny model there."
             )
+    elif cfg.model.bootstrap_tiny:
+        from agentrl.tiny import tiny_family
+
+        made = tiny_family(path)
+        if made is not None and made != cfg.model.family:
+            raise ConfigError(f"model.family: {cfg.model.family!r}, but model.path '{path}' holds a tiny {made!r} "
+                              "model made earlier; point model.path at another directory (e.g. "
+                              f"model.path=.cache/tiny-{cfg.model.family})")
     return str(path)
 
 
