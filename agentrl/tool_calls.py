@@ -59,6 +59,7 @@ FAMILY_TOOL_PARSERS: dict[str, str] = {
     "ministral": "mistral",
 }
 MAX_ERROR_SNIPPET = 80
+DEFAULT_MAX_CALLS = 64
 
 
 @dataclass(frozen=True)
@@ -136,6 +137,10 @@ _ATTEMPT_RES = {
     "llama4_json": re.compile(r"\{\s*\"name\"\s*:"),
 }
 _PYTHONIC_ATTEMPT = re.compile(r"^\s*\[\s*[A-Za-z_][\w.]*\s*\(")
+# Characters a vLLM parser spends super-linear time on, and how many one call may hold before it
+# is reported as malformed unread. vLLM's mistral parser makes an event (a pydantic object) per
+# "[" of a call and slows quadratically: 20k "[" take 0.3 s, 160k take 9 s (tests/test_tool_calls.py).
+_SLOW_CHARS = {"mistral": ("[", 4096)}
 
 
 def format_tool_call(name: str, arguments: dict[str, Any], parser: str = DEFAULT_TOOL_PARSER) -> str:
@@ -175,16 +180,13 @@ def format_tool_calls(calls: list[tuple[str, dict[str, Any]]], parser: str = DEF
 @functools.lru_cache(maxsize=1)
 def known_parser_names() -> tuple[str, ...]:
     """Names in vLLM's tool-parser registry, read from its source (vLLM is not imported)."""
-    for module in ("vllm.tool_parsers", "vllm.entrypoints.openai.tool_parsers"):
-        try:
-            spec = importlib.util.find_spec(module)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.origin:
-            continue
-        names = _registry_names(Path(spec.origin).read_text())
-        if names:
-            return tuple(sorted(names))
+    spec = importlib.util.find_spec("vllm")  # a top-level spec: finding it imports nothing
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        for where in ("tool_parsers", "entrypoints/openai/tool_parsers"):  # vLLM >= 0.11, older
+            source = Path(root) / where / "__init__.py"
+            names = _registry_names(source.read_text()) if source.is_file() else set()
+            if names:
+                return tuple(sorted(names))
     return tuple(FORMATTED_PARSERS)  # vLLM absent: the formats agentrl itself writes
 
 
@@ -288,15 +290,15 @@ class ToolCallParser:
         """One call in this parser's format (see :func:`format_tool_call`)."""
         return format_tool_call(name, arguments, self.name)
 
-    def parse(self, text: Any, *, max_calls: int | None = None) -> ToolCallParse:
-        """Calls and errors in ``text``, in order. Blocks past ``max_calls`` are not parsed: one
-        error says how many were left out."""
+    def parse(self, text: Any, *, max_calls: int = DEFAULT_MAX_CALLS) -> ToolCallParse:
+        """Calls and errors in ``text``, in order. Calls past ``max_calls`` are not parsed (one
+        error says how many were left out), which keeps the work linear in the text."""
         result = ToolCallParse()
         if not isinstance(text, str):
             result.add(f"assistant message must be text, got {type(text).__name__}")
             return result
         if self.marker is None:
-            return self._parse_whole(text, result)
+            return self._parse_whole(text, result, max_calls)
         first = text.find(self.marker)
         if first < 0:
             result.content = text.strip()
@@ -306,7 +308,7 @@ class ToolCallParser:
         while pos >= 0:
             starts.append(pos)
             pos = text.find(self.marker, pos + len(self.marker))
-        limit = len(starts) if max_calls is None else max(max_calls, 0)
+        limit = max(max_calls, 0)
         for i, start in enumerate(starts[:limit]):
             end = starts[i + 1] if i + 1 < len(starts) else len(text)
             self._parse_block(text[start:end], result)
@@ -328,6 +330,8 @@ class ToolCallParser:
             name, raw = call.function.name, call.function.arguments
             try:
                 args = json.loads(raw) if isinstance(raw, str) else raw
+                if isinstance(args, str):  # some models write the arguments object as a JSON string
+                    args = json.loads(args)
             except (ValueError, RecursionError):
                 result.add(f"tool call {str(name)[:MAX_ERROR_SNIPPET]!r}: arguments are not valid JSON")
                 continue
@@ -346,25 +350,40 @@ class ToolCallParser:
         return msg + (f"; expected {example}" if example else f"; expected the {self.name} tool-call format")
 
     def _parse_block(self, block: str, result: ToolCallParse) -> None:
+        char, limit = _SLOW_CHARS.get(self.name, ("", 0))
+        if char and block.count(char) > limit:
+            result.add(self._malformed(block, f"more than {limit} {char!r} in one call"))
+            return
         calls, _, error = self._extract(block)
         if calls:
             self._convert(calls, result)
         else:
             result.add(self._malformed(block, error))
 
-    def _parse_whole(self, text: str, result: ToolCallParse) -> ToolCallParse:
+    def _parse_whole(self, text: str, result: ToolCallParse, max_calls: int) -> ToolCallParse:
+        attempt = _ATTEMPT_RES.get(self.name)
+        num_left_out = 0
+        if attempt is not None:  # vLLM rescans the rest of the text per call: cut after max_calls
+            starts = [m.start() for m, _ in zip(attempt.finditer(text), range(max_calls + 1))]
+            if len(starts) > max_calls:
+                num_left_out = sum(1 for _ in attempt.finditer(text, starts[-1]))
+                text = text[:starts[-1]]
+        self._parse_text(text, result, attempt)
+        if num_left_out:
+            result.add(f"too many tool calls in one message; at most {max_calls} are read")
+        return result
+
+    def _parse_text(self, text: str, result: ToolCallParse, attempt: re.Pattern | None) -> None:
         calls, content, error = self._extract(text)
         if calls:
             self._convert(calls, result)
             result.content = (content or "").strip()
-            return result
-        attempt = _ATTEMPT_RES.get(self.name)
+            return
         looks_like_call = attempt.search(text) if attempt else (
             "pythonic" in self.name and _PYTHONIC_ATTEMPT.match(text))
         if error is not None or looks_like_call:
             result.add(self._malformed(text, error))
         result.content = text.strip()
-        return result
 
 
 def _build_vllm_parser(name: str, tokenizer: Any, tools: list[dict[str, Any]] | None) -> Any:
