@@ -31,8 +31,8 @@ async def run_episodes(model: str, env_id: str, num_episodes: int, seed_offset: 
     from agentrl.config import EngineConfig, RolloutConfig
     from agentrl.engines.vllm_engine import VLLMEngine
     from agentrl.envs.base import set_tool_parser
-    from agentrl.tool_calls import build_tool_parser
     from agentrl.rollout import run_episode
+    from agentrl.tool_calls import build_tool_parser
 
     gym.spec(env_id)  # unknown ids fail here, with gymnasium's suggestions
     cfg = RolloutConfig(**rollout_overrides)
@@ -77,6 +77,12 @@ def evaluate_model(model: str, env_id: str, *, num_episodes: int = 64, seed_offs
     """Evaluate ``model`` (HF directory) on ``num_episodes`` seeds of ``env_id`` starting at ``seed_offset``."""
     from pathlib import Path
 
+    from agentrl.config import ConfigError
+    from agentrl.tool_calls import tool_parser_error
+
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"--model: '{model}' is not a Hugging Face model directory (no config.json)")
+    error = tool_parser_error(rollout_overrides.get("tool_parser", "auto"), key="--tool-parser")
+    if error is not None:
+        raise ConfigError(error)
     return asyncio.run(_evaluate(model, env_id, num_episodes, seed_offset, temperature, rollout_overrides))

@@ -84,3 +84,18 @@ def test_llama3_trains_three_steps_with_refits(tiny_family_dir, tmp_path):
     assert steps[-1]["replay/token_version_max"] >= 1, "no token was sampled with refit weights"
     # SayNumber ends an episode on a digit: turns ended at the end-of-turn token, or a digit was said
     assert all(0.0 <= r["rollout/reward"] <= 1.0 for r in steps)
+
+
+def test_cli_bootstrap_tiny_family_and_eval_parser_check(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "bootstrap-tiny", str(tmp_path / "m"), "--family",
+                          "mistral"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    from agentrl.tool_calls import detect_tool_parser
+
+    assert detect_tool_parser(tmp_path / "m") == "mistral"
+    out = subprocess.run([sys.executable, "-m", "agentrl.cli", "eval", "--model", str(tmp_path / "m"),
+                          "--tool-parser", "hermess"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "--tool-parser: unknown tool parser 'hermess'. Did you mean 'hermes'?" in out.stderr
