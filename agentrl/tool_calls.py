@@ -24,6 +24,7 @@ import importlib.util
 import json
 import logging
 import re
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -285,6 +286,9 @@ class ToolCallParser:
         self.marker = _CALL_MARKERS.get(name)
         self._vllm_parser = _build_vllm_parser(name, tokenizer, tools)
         self._request = _request(tools)
+        # One parser serves every env of a rollout actor, whose steps run in worker threads; some
+        # of vLLM's parsers keep state between calls (Mistral's parser engine).
+        self._lock = threading.Lock()
 
     def format(self, name: str, arguments: dict[str, Any]) -> str:
         """One call in this parser's format (see :func:`format_tool_call`)."""
@@ -319,7 +323,8 @@ class ToolCallParser:
     def _extract(self, text: str) -> tuple[list[Any] | None, str | None, str | None]:
         """(vLLM's tool calls or None, its content, an error) for one piece of text."""
         try:
-            info = self._vllm_parser.extract_tool_calls(text, self._request)
+            with self._lock:
+                info = self._vllm_parser.extract_tool_calls(text, self._request)
         except Exception as exc:  # a parser bug must read as a malformed call, not crash the rollout
             return None, None, f"{type(exc).__name__}: {str(exc)[:MAX_ERROR_SNIPPET]}"
         calls = list(info.tool_calls or []) if info.tools_called else []
@@ -385,6 +390,14 @@ class ToolCallParser:
             result.add(self._malformed(text, error))
         result.content = text.strip()
 
+    def __getstate__(self) -> dict[str, Any]:  # picklable: a lock is not
+        state = dict(self.__dict__)
+        state["_lock"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
 
 def _build_vllm_parser(name: str, tokenizer: Any, tools: list[dict[str, Any]] | None) -> Any:
     from vllm.tool_parsers import ToolParserManager
@@ -392,7 +405,10 @@ def _build_vllm_parser(name: str, tokenizer: Any, tools: list[dict[str, Any]] | 
     cls = ToolParserManager.get_tool_parser(name)
     # vLLM's parsers log a traceback for every malformed call; here those are expected (the
     # policy learns the format) and are reported to the model instead.
-    logging.getLogger(cls.__module__).setLevel(logging.CRITICAL)
+    for klass in cls.__mro__:  # (Mistral's adapter logs from the parser engine's module)
+        if klass.__module__.startswith("vllm."):
+            logging.getLogger(klass.__module__).setLevel(logging.CRITICAL)
+    logging.getLogger("vllm.parser.mistral").setLevel(logging.CRITICAL)
     if tokenizer is None:
         tokenizer = _marker_tokenizer(_MARKER_TOKENS.get(name, []))
     return cls(tokenizer, _tool_params(tools))
