@@ -18,6 +18,7 @@ from agentrl.tool_calls import tool_parser_error
 __all__ = [
     "AdvantageConfig",
     "ClusterConfig",
+    "ColocateConfig",
     "Config",
     "ConfigError",
     "EngineConfig",
@@ -29,6 +30,7 @@ __all__ = [
     "LossConfig",
     "MegatronConfig",
     "ModelConfig",
+    "TinyModelConfig",
     "PackingConfig",
     "RefitConfig",
     "ReplayConfig",
@@ -50,6 +52,26 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+class TinyModelConfig(Section):
+    hidden_size: int = Field(128, ge=8)
+    """Width of the tiny model that model.bootstrap_tiny creates."""
+    num_layers: int = Field(4, ge=1)
+    """Decoder layers of the tiny model."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads (hidden_size must be a multiple)."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention; num_heads must be a multiple)."""
+    intermediate_size: int = Field(384, ge=8)
+    """MLP width."""
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads}), "
+                             f"and num_heads of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
 class ModelConfig(Section):
     path: str = ".cache/tiny-model"
     """Hugging Face-format model directory (config.json, safetensors, tokenizer)."""
@@ -58,6 +80,8 @@ class ModelConfig(Section):
     family: Literal["qwen2", "qwen3", "llama3", "mistral"] = "qwen2"
     """Model family of the tiny model `bootstrap_tiny` creates: its architecture, special tokens and
     chat template (tool-call syntax, tool-result role, end-of-turn token)."""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """Size of the model bootstrap_tiny creates (the GPU recipe uses a larger one)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of learner and engines. float32 on CPU keeps engine/learner logprobs equal."""
 
@@ -273,12 +297,29 @@ class LearnerConfig(Section):
 class RefitConfig(Section):
     interval: int = Field(1, ge=1)
     """Learner steps between weight pushes to the engines."""
-    transport: Literal["object_store"] = "object_store"
-    """How weights reach the engines: through the Ray object store (works on CPU and across
-    nodes). NCCL broadcast and CUDA IPC need vLLM on the GPU machine, which it lacks today."""
+    transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
+    """How weights reach the engines. object_store: CPU tensors through Ray's object store (CPU
+    engines, any placement); cuda_ipc: a CUDA IPC handle of one flat GPU buffer (engines and
+    learner on the same GPU, colocate.enabled); nccl: a broadcast from the learner's rank 0 to the
+    engines' workers in a process group of its own (engines on other GPUs or nodes; gloo on CPU).
+    auto: cuda_ipc when colocated on a GPU, nccl for GPU engines elsewhere, object_store on CPU."""
     mode: Literal["drain", "continue"] = "continue"
     """drain: wait for in-flight requests before swapping weights; continue: pause, swap, and
     resume them on the new weights (each token records the version that made it)."""
+
+
+class ColocateConfig(Section):
+    enabled: bool = False
+    """Engines and learner share the GPU(s): Ray places the learner's rank i and the engines in
+    shared GPU bundles (one GPU machine: both on the one GPU)."""
+    engine_sleep: bool = True
+    """While the learner steps, the engines drain their requests and release their weights and KV
+    cache (vLLM sleep mode), then wake with the new weights: the most memory for both, no overlap
+    of generation and training. false: both stay resident in a static split
+    (engine.gpu_memory_utilization for the engine), so generation and training overlap."""
+    learner_gpu_fraction: float = Field(0.5, gt=0, lt=1)
+    """The share of a GPU Ray books for each learner rank; engines book engine.num_gpus. The two
+    must fit on one GPU (Ray's bookkeeping only: real memory is set by gpu_memory_utilization)."""
 
 
 class TrainConfig(Section):
@@ -346,6 +387,7 @@ class Config(Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     packing: PackingConfig = Field(default_factory=PackingConfig)
     refit: RefitConfig = Field(default_factory=RefitConfig)
+    colocate: ColocateConfig = Field(default_factory=ColocateConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -378,6 +420,20 @@ class Config(Section):
                     f"packing.pad_multiple ({self.packing.pad_multiple}) must be a multiple of {need} "
                     "(2 * context_parallel_size, times tensor_parallel_size with sequence_parallel)"
                 )
+        co = self.colocate
+        if co.enabled:
+            if self.learner.num_gpus < 1 or self.engine.num_gpus <= 0:
+                raise ValueError("colocate.enabled needs GPU engines and a GPU learner: set engine.num_gpus "
+                                 f"(e.g. 0.5) and learner.num_gpus >= 1 (given {self.engine.num_gpus} and "
+                                 f"{self.learner.num_gpus})")
+            if self.engine.num_gpus + co.learner_gpu_fraction > 1 + 1e-9:
+                raise ValueError(f"colocate: engine.num_gpus ({self.engine.num_gpus}) + colocate.learner_gpu_fraction "
+                                 f"({co.learner_gpu_fraction}) must fit on one GPU (<= 1)")
+        if self.refit.transport != "auto":
+            from agentrl.refit import resolve_transport
+
+            resolve_transport(self.refit.transport, engine_on_gpu=self.engine.num_gpus > 0,
+                              same_gpu=co.enabled and self.engine.num_gpus > 0)
         if self.rollout.max_total_tokens > self.engine.max_model_len:
             raise ValueError(
                 f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds "

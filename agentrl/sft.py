@@ -97,7 +97,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
 
     from agentrl.chat import ChatRenderer
     from agentrl.learners.hf_forward import packed_token_logprobs
-    from agentrl.learners.torch_learner import _TOKENIZER_FILES, load_hf_model
+    from agentrl.learners.torch_learner import _TOKENIZER_FILES, _to_device, load_hf_model
     from agentrl.packing import make_microbatches, pack_sequences
     from agentrl.tool_calls import build_tool_parser
     from agentrl.trainer import resolve_model_path
@@ -117,9 +117,12 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     parser = build_tool_parser(cfg.rollout.tool_parser, base, tokenizer)
     seeds = [sc.seed_offset + k for k in range(sc.num_demos)]
     demos = build_demonstrations(cfg.env.id, renderer, seeds, cfg.env.kwargs, parser, **sc.expert_kwargs)
-    model = load_hf_model(base, cfg.model.dtype)
+    # On a GPU machine (learner.num_gpus > 0) SFT runs on the GPU, in float32 weights (a tiny
+    # model: master precision costs nothing there); the engines cast to model.dtype on load.
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.learner.num_gpus else "cpu")
+    model = load_hf_model(base, cfg.model.dtype if device.type == "cpu" else "float32", device)
     model.train()
-    digits = digit_tokens(renderer.tokenizer)
+    digits = digit_tokens(renderer.tokenizer).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0, betas=(0.9, 0.98))
     lengths = [len(ids) for ids, _ in demos]
     batches = make_microbatches(lengths, max(sc.batch_tokens, max(lengths)), algorithm=cfg.packing.algorithm)[0]
@@ -132,7 +135,8 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     for epoch in range(sc.num_epochs):
         rng.shuffle(batches)
         for batch in batches:
-            packed = pack_sequences([demos[i][0] for i in batch], {"loss_mask": [demos[i][1] for i in batch]})
+            packed = _to_device(pack_sequences([demos[i][0] for i in batch], {"loss_mask": [demos[i][1] for i in batch]}),
+                                device)
             logp = packed_token_logprobs(model, packed, chunk_size=cfg.packing.logprob_chunk_size)
             weight = packed.fields["loss_mask"].reshape(-1).float()
             if sc.digit_loss_weight != 1.0:
