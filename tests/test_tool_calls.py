@@ -74,7 +74,8 @@ def test_a_malformed_call_is_an_error_in_its_place(name, bad):
     sep = "; " if name == "llama3_json" else ""
     # Marker formats keep the good calls around a bad block; Llama's bare JSON has no blocks to cut.
     r = ToolCallParser(name).parse(good + sep + bad if name != "llama3_json" else bad)
-    assert r.errors and r.errors[-1].startswith("malformed tool call") or "arguments are not valid JSON" in r.errors[-1]
+    assert r.errors, r.items
+    assert r.errors[-1].startswith("malformed tool call") or "arguments are not valid JSON" in r.errors[-1]
     if name != "llama3_json":
         assert r.items[0] == ToolCall("g", {"y": 2}) and isinstance(r.items[1], str)
 
