@@ -24,7 +24,7 @@ import anyio
 import gymnasium
 from gymnasium import spaces
 
-from agentrl.tool_calls import DEFAULT_TOOL_PARSER, ToolCall, ToolCallParser
+from agentrl.tool_calls import DEFAULT_TOOL_PARSER, ToolCall, ToolCallParser, tool_parser_error
 from agentrl.envs.tools import (
     SCHEMA_ATTR,
     ToolTimeoutError,
@@ -194,6 +194,9 @@ class ToolEnv(TextEnv):
         self.tool_timeout_s = tool_timeout_s
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.max_tool_output_chars = max_tool_output_chars
+        error = tool_parser_error(tool_parser, key="tool_parser")
+        if error is not None or tool_parser == "auto":  # (auto needs a model: the rollout resolves it)
+            raise ValueError(error or "tool_parser: 'auto' needs a checkpoint; give the parser's name")
         self.tool_parser_name = tool_parser
         self._tool_parser: ToolCallParser | None = None
         marked: dict[str, None] = {}  # definition order; a subclass may override a tool without @tool

@@ -173,3 +173,19 @@ def test_parse_time_grows_linearly_with_text_size(parser, case):
     small, large = PATHOLOGICAL[case](20_000), PATHOLOGICAL[case](160_000)
     t_small, t_large = _best_time(parser, small), _best_time(parser, large)
     assert t_large <= 24 * max(t_small, 2e-3), (case, t_small, t_large)
+
+
+def test_env_tool_parser_kwarg():
+    import gymnasium as gym
+
+    import agentrl.envs  # noqa: F401
+
+    env = gym.make("agentrl/Calculator-v0", tool_parser="llama3_json")
+    env.reset(seed=0)
+    inner = env.unwrapped
+    assert inner.format_tool_call("calculate", {"expression": "2 + 3"}) == format_tool_call(
+        "calculate", {"expression": "2 + 3"}, "llama3_json")
+    obs, *_ = env.step(inner.format_tool_call("calculate", {"expression": "2 + 3"}))
+    assert obs == [{"role": "tool", "content": "5"}]
+    with pytest.raises(ValueError, match="tool_parser: unknown tool parser 'mistrall'. Did you mean 'mistral'"):
+        gym.make("agentrl/Calculator-v0", tool_parser="mistrall")
