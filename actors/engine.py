@@ -2,7 +2,9 @@
 
 Created with ``max_restarts=-1``: when the actor dies, Ray restarts it, and the first call on
 the new instance starts vLLM and loads the weights the engines currently serve (from the replay
-actor, which holds a reference to them) before it takes any work.
+actor, which holds a reference to them) before it takes any work. The trainer names the replay
+actor rather than passing its handle: a constructor argument holding a reference makes Ray warn
+that a restart could fail (ray-project/ray#53727), while a name is looked up afresh.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ __all__ = ["EngineActor"]
 class EngineActor:
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
                  weight_source: Any = None, enable_sleep_mode: bool = False) -> None:
+        """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
+        ``latest_weights`` a (re)started engine loads before it serves."""
         from agentrl.engines.vllm_engine import VLLMEngine
 
         self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode)
@@ -36,6 +40,8 @@ class EngineActor:
             if self._started:
                 return
             await self.engine.start()
+            if isinstance(self.weight_source, str):  # a named actor (the trainer's replay actor)
+                self.weight_source = ray.get_actor(self.weight_source)
             if self.weight_source is not None:
                 version, refs = await self.weight_source.latest_weights.remote()
                 if refs:

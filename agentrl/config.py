@@ -7,15 +7,17 @@ Every model rejects unknown keys, and every error names the dotted path of the f
 from __future__ import annotations
 
 import difflib
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from agentrl.tool_calls import tool_parser_error
 
 __all__ = [
+    "FAST_OPTIONS",
     "AdvantageConfig",
     "ClusterConfig",
     "ColocateConfig",
@@ -39,6 +41,7 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "load_config",
+    "resolve_fast_options",
 ]
 
 
@@ -166,20 +169,25 @@ class ReplayConfig(Section):
 
 
 class ImportanceSamplingConfig(Section):
-    type: Literal["none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "gspo"] = (
-        "token_tis"
-    )
-    """Correction of the gap between the proximal policy and the behaviour policy (engine).
-    token_tis: per-token weight min(ratio, cap); seq_tis: product of token ratios, truncated;
-    seq_tis_geo: geometric mean, truncated; token_mask: drop tokens whose ratio is outside
-    [low, high] (icepop); seq_mask_geo: drop sequences whose geometric-mean ratio is outside
-    [low, high]; gspo: GSPO's sequence-level (geometric-mean) policy ratio."""
+    type: Literal[
+        "none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "icepop", "seq_icepop", "gspo"
+    ] = "token_tis"
+    """Correction of the gap between the proximal policy and the behaviour policy (engine), with
+    ratio = pi_prox / mu per token. token_tis: per-token weight min(ratio, cap); seq_tis: product of
+    the sequence's token ratios, truncated; seq_tis_geo: their geometric mean, truncated;
+    token_mask: rejection sampling: a token whose ratio is outside [low, high] gets weight 0, a kept
+    one weight 1; seq_mask_geo: the same per sequence, by the geometric-mean ratio; icepop (IcePop,
+    NeMo-RL's icepop): tokens outside [low, high] get 0, a kept token its own ratio, truncated at cap;
+    seq_icepop (NeMo-RL's seq-mask-tis): sequences whose geometric-mean ratio is outside [low, high]
+    get 0, each token of a kept one its own ratio, truncated at cap; gspo: GSPO's sequence-level
+    (geometric-mean) policy ratio, corrected like seq_tis_geo."""
     cap: float = Field(2.0, gt=0)
-    """Truncation cap C for the *_tis types."""
+    """Truncation cap C of the *_tis, icepop and seq_icepop weights (gspo's too). With cap >= high,
+    icepop and seq_icepop weight kept tokens by their untruncated ratio, as NeMo-RL does."""
     low: float = Field(0.5, ge=0)
-    """Lower bound of the kept band for the *_mask types."""
+    """Lower bound of the kept band of token_mask, seq_mask_geo, icepop and seq_icepop."""
     high: float = Field(2.0, gt=0)
-    """Upper bound of the kept band for the *_mask types."""
+    """Upper bound of the kept band of token_mask, seq_mask_geo, icepop and seq_icepop."""
 
     @model_validator(mode="after")
     def _band(self) -> "ImportanceSamplingConfig":
@@ -217,11 +225,26 @@ class AdvantageConfig(Section):
     """grpo: reward minus group mean (over std if normalize_std); rloo: leave-one-out mean
     baseline; dr_grpo: group mean only, no std (pair with seq_mean_token_sum)."""
     normalize_std: bool = True
-    """GRPO only: divide by the group's reward standard deviation."""
+    """GRPO only: divide by the group's reward standard deviation (see std)."""
+    std: Literal["population", "sample"] = "population"
+    """Which standard deviation GRPO divides by (with normalize_std): population (divide the
+    squared deviations by G) or sample (by G - 1, Bessel-corrected, as verl and NeMo-RL do).
+    Rewards [1, 0] give advantages +-1.0 with population and +-0.707 with sample. No effect on
+    rloo, dr_grpo or without normalize_std."""
     turn_discount: float = Field(1.0, ge=0, le=1)
     """Discount of later turns' rewards for turn-level credit; 1.0 = whole-episode return."""
     eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
+
+    @model_validator(mode="after")
+    def _std_has_effect(self) -> AdvantageConfig:
+        if "std" in self.model_fields_set and (self.estimator != "grpo" or not self.normalize_std):
+            warnings.warn(
+                f"advantage.std={self.std} has no effect with estimator={self.estimator}, "
+                f"normalize_std={self.normalize_std} (only grpo with normalize_std divides by a std)",
+                stacklevel=2,
+            )
+        return self
 
 
 class PackingConfig(Section):
@@ -255,23 +278,67 @@ class MegatronConfig(Section):
     attention: Literal["flex", "sdpa", "te"] = "flex"
     """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
     TransformerEngine's when it is importable."""
-    cuda_graphs: bool = False
+    cuda_graphs: Literal["auto", True, False] = "auto"
     """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
     launch overhead that dominates at small micro-batches. Every micro-batch is padded to
     packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
     or context parallelism and no activation checkpointing. The graph's activations stay
-    allocated between steps."""
-    keep_grad_logits: bool = False
+    allocated between steps (set false when memory is short). auto (the default): on exactly where
+    it can run (the conditions above), off elsewhere; true/false force it."""
+    keep_grad_logits: Literal["auto", True, False] = "auto"
     """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
     the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
-    and a 152k vocabulary)."""
-    fused_logprobs: bool = False
+    and a 152k vocabulary; divided by the tensor and context parallel degrees). auto (the
+    default): on unless activation_checkpointing (which asks for memory over speed); true/false
+    force it."""
+    fused_logprobs: Literal["auto", True, False] = "auto"
     """Make the logprob head's softmax work (logsumexp, label logprob, d logp / d logits) with
     compiled one-pass kernels over the bf16 logits instead of float32 chunk tensors. Same math,
-    another reduction order; no effect under tensor parallelism or with float32 weights."""
-    flex_expand_kv: bool = False
+    another reduction order; no effect under tensor parallelism (the learner's weights are always
+    bf16/fp16). auto (the default): on without tensor parallelism; true/false force it."""
+    flex_expand_kv: Literal["auto", True, False] = "auto"
     """attention=flex with grouped-query attention: repeat K/V to the query heads before
-    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch."""
+    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch. No
+    effect with attention sdpa/te or context parallelism (which has its own attention path).
+    auto (the default): on with attention=flex and no context parallelism; true/false force it."""
+
+    _auto: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FAST_OPTIONS:  # an explicit true/false stops following the layout; "auto" resumes
+            self._auto = self._auto - {name} if value != "auto" else self._auto | {name}
+        super().__setattr__(name, value)
+
+    @model_validator(mode="after")
+    def _resolve_auto(self) -> MegatronConfig:
+        # Resolved here, so the learner, --print-config and the run's config.json all show what runs.
+        self._auto = self._auto | {k for k in FAST_OPTIONS if getattr(self, k) == "auto"}
+        for name, on in resolve_fast_options(self).items():
+            if name in self._auto:
+                object.__setattr__(self, name, on)  # plain set: no re-validation from inside the validator
+        return self
+
+
+FAST_OPTIONS = ("cuda_graphs", "keep_grad_logits", "fused_logprobs", "flex_expand_kv")
+"""The `learner.megatron` speed options that default to ``auto``."""
+
+
+def resolve_fast_options(mcfg: MegatronConfig) -> dict[str, bool]:
+    """What ``auto`` means for each of :data:`FAST_OPTIONS` under ``mcfg``'s layout: on where it
+    can run and helps, off elsewhere (measured on 1x H100: bench/RESULTS.md, Megatron learner).
+
+    Example:
+        >>> resolve_fast_options(MegatronConfig(tensor_parallel_size=2))["cuda_graphs"]
+        False
+    """
+    single = mcfg.tensor_parallel_size == mcfg.pipeline_parallel_size == mcfg.context_parallel_size == 1
+    flex = mcfg.attention == "flex"
+    return {
+        "cuda_graphs": single and flex and not mcfg.activation_checkpointing,
+        "keep_grad_logits": not mcfg.activation_checkpointing,
+        "fused_logprobs": mcfg.tensor_parallel_size == 1,
+        "flex_expand_kv": flex and mcfg.context_parallel_size == 1,
+    }
 
 
 class LearnerConfig(Section):
@@ -413,7 +480,16 @@ class Config(Section):
                     ("attention", mc.attention == "flex")) if not ok]
                 if off:
                     raise ValueError(f"learner.megatron.cuda_graphs needs attention=flex, no tensor/pipeline/context "
-                                     f"parallelism and no activation checkpointing; got {', '.join(off)}")
+                                     f"parallelism and no activation checkpointing; got {', '.join(off)} "
+                                     "(auto, the default, turns it on only where it can run)")
+            idle = []  # auto never resolves to these: only a forced true lands here
+            if mc.fused_logprobs and mc.tensor_parallel_size > 1:
+                idle.append(f"fused_logprobs (tensor_parallel_size={mc.tensor_parallel_size})")
+            if mc.flex_expand_kv and (mc.attention != "flex" or mc.context_parallel_size > 1):
+                idle.append(f"flex_expand_kv (attention={mc.attention}, "
+                            f"context_parallel_size={mc.context_parallel_size})")
+            if idle:
+                warnings.warn(f"learner.megatron: {', '.join(idle)} set but without effect here", stacklevel=2)
             need = 2 * mc.context_parallel_size * (mc.tensor_parallel_size if mc.sequence_parallel else 1)
             if mc.context_parallel_size > 1 and self.packing.pad_multiple % need:
                 raise ValueError(

@@ -92,8 +92,9 @@ def flatten_weights(weights: dict[str, "torch.Tensor"], device: "torch.device | 
                     *, skip_shared: bool = True) -> tuple["torch.Tensor", FlatSpec]:
     """Copy ``weights`` into one uint8 buffer (on ``device``, default: the first tensor's).
 
-    Tensors that share storage with an earlier one (tied embeddings) are left out when
-    ``skip_shared``: the engine's loader ties them again.
+    A tensor that is the very same memory as an earlier one (same address, shape and dtype: tied
+    embeddings) is left out when ``skip_shared``: the engine's loader ties them again. Views of
+    one storage at different places (q/k/v split from a fused QKV weight) are all kept.
 
     Example:
         >>> import torch
@@ -105,10 +106,11 @@ def flatten_weights(weights: dict[str, "torch.Tensor"], device: "torch.device | 
 
     items, seen = [], set()
     for name, tensor in weights.items():
-        if skip_shared and tensor.numel() and tensor.untyped_storage().data_ptr() in seen:
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if skip_shared and tensor.numel() and key in seen:
             continue
         if tensor.numel():
-            seen.add(tensor.untyped_storage().data_ptr())
+            seen.add(key)
         items.append((name, tensor.detach()))
     offsets, pos = [], 0
     for _, t in items:

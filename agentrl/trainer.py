@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import time
+import uuid
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -91,7 +92,9 @@ class Trainer:
         cfg = self.cfg
         if not ray.is_initialized():
             ray.init(
-                address=cfg.cluster.address,
+                # None starts a local cluster, as cluster.address promises: Ray would otherwise join
+                # whatever cluster `ray start` last left on this machine (RAY_ADDRESS included).
+                address=cfg.cluster.address or "local",
                 num_cpus=cfg.cluster.num_cpus if cfg.cluster.address is None else None,
                 include_dashboard=False,
                 log_to_driver=os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
@@ -100,7 +103,8 @@ class Trainer:
         # The replay queue (and the staged weights) lives on the driver's node: it holds the run's
         # in-flight state, and a node that holds an engine may go away (tests/test_cluster.py).
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        self.replay = ReplayActor.options(num_cpus=0, scheduling_strategy=here).remote(
+        replay_name = f"agentrl-replay-{uuid.uuid4().hex[:12]}"  # engines find it by name (actors/engine.py)
+        self.replay = ReplayActor.options(num_cpus=0, scheduling_strategy=here, name=replay_name).remote(
             cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step,
             wait_for_stragglers=cfg.replay.wait_for_stragglers,
         )
@@ -112,7 +116,7 @@ class Trainer:
             EngineActor.options(
                 num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus, resources=cfg.engine.resources,
                 max_restarts=-1, max_task_retries=0,
-            ).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=self.replay,
+            ).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
                      enable_sleep_mode=self.sleeping_engines)
             for i in range(cfg.engine.num_engines)
         ]

