@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
+from agentrl.tool_calls import tool_parser_error
+
 __all__ = [
     "FAST_OPTIONS",
     "AdvantageConfig",
@@ -77,7 +79,10 @@ class ModelConfig(Section):
     path: str = ".cache/tiny-model"
     """Hugging Face-format model directory (config.json, safetensors, tokenizer)."""
     bootstrap_tiny: bool = False
-    """Create a tiny random Qwen2 model at `path` when it does not exist (`agentrl bootstrap-tiny`)."""
+    """Create a tiny random model at `path` when it does not exist (`agentrl bootstrap-tiny`)."""
+    family: Literal["qwen2", "qwen3", "llama3", "mistral"] = "qwen2"
+    """Model family of the tiny model `bootstrap_tiny` creates: its architecture, special tokens and
+    chat template (tool-call syntax, tool-result role, end-of-turn token)."""
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     """Size of the model bootstrap_tiny creates (the GPU recipe uses a larger one)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -129,6 +134,18 @@ class RolloutConfig(Section):
     """Training tasks use env seeds `seed_offset + k`; eval seeds live elsewhere."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
+    tool_parser: str = "auto"
+    """vLLM tool parser that reads tool calls in sampled text (hermes, llama3_json, mistral,
+    pythonic, ...: any name in vllm.tool_parsers.ToolParserManager). auto: the checkpoint's
+    family, from its chat template's call syntax or its model_type."""
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str) -> str:
+        error = tool_parser_error(name, key=None)
+        if error is not None:
+            raise ValueError(error)
+        return name
 
 
 class EngineConfig(Section):

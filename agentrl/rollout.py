@@ -116,7 +116,7 @@ async def run_episode(
                 status = "truncated"
                 break
             # Close an assistant turn that hit max_tokens, then the observation delta.
-            closing = [] if out.token_ids and out.token_ids[-1] == renderer.eos_token_id else [renderer.eos_token_id]
+            closing = [] if out.token_ids and out.token_ids[-1] in renderer.stop_token_ids else [renderer.end_of_turn_id]
             delta = closing + renderer.observation_delta_ids(obs)
             if len(ep.ids) + len(delta) >= cfg.max_total_tokens:
                 status = "truncated"

@@ -37,12 +37,20 @@ def resolve_model_path(cfg: Config) -> str:
         if cfg.model.bootstrap_tiny:
             from agentrl.tiny import bootstrap_tiny
 
-            bootstrap_tiny(path, seed=cfg.seed, **cfg.model.tiny.model_dump())
+            bootstrap_tiny(path, seed=cfg.seed, family=cfg.model.family, **cfg.model.tiny.model_dump())
         else:
             raise ConfigError(
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json). "
                 "Point it at a local checkpoint, or set model.bootstrap_tiny=true to create a tiny model there."
             )
+    elif cfg.model.bootstrap_tiny:
+        from agentrl.tiny import tiny_family
+
+        made = tiny_family(path)
+        if made is not None and made != cfg.model.family:
+            raise ConfigError(f"model.family: {cfg.model.family!r}, but model.path '{path}' holds a tiny {made!r} "
+                              "model made earlier; point model.path at another directory (e.g. "
+                              f"model.path=.cache/tiny-{cfg.model.family})")
     return str(path)
 
 
@@ -321,9 +329,9 @@ class Trainer:
                     mem = ray.get(self.learner.free_memory.remote())
                     metrics.update({f"memory/learner_{k}": v for k, v in mem.items()})
                     if refit_due:
-                        self._last_refit_s = self.refit() + sleep_s
+                        self._last_refit_s = self.refit()
                     else:
-                        self._last_refit_s = self._wake_engines() + sleep_s
+                        self._last_refit_s = self._wake_engines()
                     metrics["timing/engine_sleep"] = sleep_s
                 else:
                     refit_wait_s = self._start_refit() if refit_due else 0.0
