@@ -220,7 +220,8 @@ def env_module_path(env_id: str) -> Path | None:
         return None
     top = module.split(".")[0]
     mod = sys.modules.get(top) or importlib.import_module(top)
-    paths = list(getattr(mod, "__path__", []) or [])
+    # one directory may appear twice (sys.path can hold both '' and the same directory by name)
+    paths = list(dict.fromkeys(os.path.realpath(p) for p in (getattr(mod, "__path__", []) or [])))
     if paths:
         if len(paths) > 1:
             raise ConfigError(
