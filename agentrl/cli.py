@@ -44,6 +44,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bootstrap-tiny", help="write a tiny random Qwen2 model with tokenizer and chat template")
     p.add_argument("dir")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context-length", type=int, default=4096, help="max_position_embeddings")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
 
     p = sub.add_parser("plot", help="write PNG plots of a run directory")
     p.add_argument("run_dir")
@@ -101,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bootstrap-tiny":
             from agentrl.tiny import bootstrap_tiny
 
-            print(bootstrap_tiny(args.dir, seed=args.seed))
+            print(bootstrap_tiny(args.dir, seed=args.seed, max_position_embeddings=args.context_length,
+                                 rope_theta=args.rope_theta))
         elif args.command == "plot":
             from agentrl.plot import plot_run
 

@@ -53,6 +53,23 @@ class ModelConfig(Section):
     """Hugging Face-format model directory (config.json, safetensors, tokenizer)."""
     bootstrap_tiny: bool = False
     """Create a tiny random Qwen2 model at `path` when it does not exist (`agentrl bootstrap-tiny`)."""
+    tiny_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of `agentrl.tiny.bootstrap_tiny` for the model bootstrap_tiny creates,
+    e.g. `{max_position_embeddings: 16384, rope_theta: 1000000.0, hidden_size: 64}`."""
+
+    @model_validator(mode="after")
+    def _tiny_kwargs_known(self) -> "ModelConfig":
+        import inspect
+
+        from agentrl.tiny import bootstrap_tiny  # no heavy imports at module level
+
+        known = [p for p in inspect.signature(bootstrap_tiny).parameters if p not in ("out_dir", "seed", "corpus")]
+        for key in self.tiny_kwargs:
+            if key not in known:
+                close = difflib.get_close_matches(key, known, n=1)
+                hint = f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(known)}"
+                raise ValueError(f"tiny_kwargs has unknown key '{key}'{hint}")
+        return self
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of learner and engines. float32 on CPU keeps engine/learner logprobs equal."""
 
@@ -83,7 +100,16 @@ class RolloutConfig(Section):
     max_turns: int = Field(4, ge=1)
     """Assistant turns before the episode is truncated."""
     max_total_tokens: int = Field(1024, ge=16)
-    """Trajectory length cap (prompt + all turns); longer episodes are truncated."""
+    """Trajectory length cap (prompt + all turns); longer episodes are truncated. The engine's
+    max_model_len caps it too: an episode that reaches the smaller of the two ends as truncated."""
+    overlong: Literal["zero_reward", "mask", "keep"] = "zero_reward"
+    """What a trajectory cut by the token cap (not by max_turns) is trained as. zero_reward: its
+    rewards are set to 0 (an unfinished answer is a wrong one); mask: it is left out of the loss
+    and of its group's baseline (DAPO's overlong filtering); keep: its rewards stay as the env gave
+    them. The turn cut short by the cap is never sent to the env."""
+    max_observation_tokens: int | None = Field(None, ge=16)
+    """Cap on one tool message's content, in tokens: longer tool outputs are cut there and end
+    with a marker saying how much was cut. None: no cap beyond the env's own."""
     seed_offset: int = 0
     """Training tasks use env seeds `seed_offset + k`; eval seeds live elsewhere."""
     resources: dict[str, float] = Field(default_factory=dict)
@@ -294,6 +320,9 @@ class SFTConfig(Section):
     """Demonstrations use env seeds from here on, apart from RL training and eval seeds."""
     expert_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the env's `expert(seed, ...)` (e.g. `guess_prob` for Calculator)."""
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Env keyword arguments for the demonstrations only, over `env.kwargs` (e.g. shorter pages
+    for LongRecall: the skill is learned on cheap short episodes, then used on long ones)."""
     output_dir: str = ".cache/sft-model"
     """Where the warm-started model is written (HF format); reused when present."""
 

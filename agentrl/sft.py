@@ -9,6 +9,7 @@ settings reuses ``sft.output_dir``.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import random
 import shutil
@@ -49,6 +50,8 @@ def build_demonstrations(
     expert = getattr(env.unwrapped, "expert", None)
     if expert is None:
         raise ValueError(f"{env_id} has no expert(seed) demonstrator; SFT needs one")
+    if "env_kwargs" in inspect.signature(expert).parameters:  # its task depends on the env's settings
+        expert_kwargs = {"env_kwargs": dict(env_kwargs or {}), **expert_kwargs}
     demos = []
     for seed in seeds:
         obs, info = env.reset(seed=seed)
@@ -100,7 +103,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     torch.manual_seed(cfg.seed)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(base))
     seeds = [sc.seed_offset + k for k in range(sc.num_demos)]
-    demos = build_demonstrations(cfg.env.id, renderer, seeds, cfg.env.kwargs, **sc.expert_kwargs)
+    demos = build_demonstrations(cfg.env.id, renderer, seeds, {**cfg.env.kwargs, **sc.env_kwargs}, **sc.expert_kwargs)
     model = load_hf_model(base, cfg.model.dtype)
     model.train()
     digits = digit_tokens(renderer.tokenizer)

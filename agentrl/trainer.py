@@ -34,7 +34,7 @@ def resolve_model_path(cfg: Config) -> str:
         if cfg.model.bootstrap_tiny:
             from agentrl.tiny import bootstrap_tiny
 
-            bootstrap_tiny(path, seed=cfg.seed)
+            bootstrap_tiny(path, seed=cfg.seed, **cfg.model.tiny_kwargs)
         else:
             raise ConfigError(
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json). "
