@@ -23,7 +23,7 @@ def ray_local():
 
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(REPO)}})
     yield ray
     if started:
@@ -35,7 +35,7 @@ def model_16k(tmp_path_factory):
     from agentrl.tiny import bootstrap_tiny
 
     return str(bootstrap_tiny(tmp_path_factory.mktemp("tiny16k") / "model", max_position_embeddings=16384,
-                              rope_theta=1e6, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                              rope_theta=1e6, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
                               intermediate_size=128))
 
 
@@ -98,9 +98,9 @@ def test_long_episode_with_a_refit_inside_trains_as_sampled(model_16k, ray_local
     v0_dir = str(tmp_path / "learner_v0")
     ray.get(learner.save.remote(v0_dir))
 
-    # One episode: 4 turns, 3 observations of ~4.3k tokens; the refit lands after turn 2.
+    # One episode: 4 turns, 3 observations of ~4.3k tokens (~13k in all); the refit lands after turn 2.
     client = _RefitAfter(ray, engine, learner, [_short_group(renderer)], turns=2)
-    env = gymnasium.make("LongObservation-v0", num_turns=4, words=4200)
+    env = gymnasium.make("LongObservation-v0", num_turns=4, words=3500)
     ticket = ray.get(replay.admit.remote())
     traj = anyio.run(lambda: run_episode(env, renderer, client, seed=1, cfg=cfg.rollout, episode_id="long",
                                          max_model_len=cfg.engine.max_model_len))
