@@ -100,7 +100,7 @@ def test_long_episode_with_a_refit_inside_trains_as_sampled(model_16k, ray_local
 
     # One episode: 4 turns, 3 observations of ~4.3k tokens (~13k in all); the refit lands after turn 2.
     client = _RefitAfter(ray, engine, learner, [_short_group(renderer)], turns=2)
-    env = gymnasium.make("LongObservation-v0", num_turns=4, words=3500)
+    env = gymnasium.make("LongObservation-v0", num_turns=4, words=2400)
     ticket = ray.get(replay.admit.remote())
     traj = anyio.run(lambda: run_episode(env, renderer, client, seed=1, cfg=cfg.rollout, episode_id="long",
                                          max_model_len=cfg.engine.max_model_len))
