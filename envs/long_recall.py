@@ -12,6 +12,7 @@ trajectories that are cheap to render and to prefill, while the facts are a few 
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from typing import Any
@@ -36,7 +37,7 @@ class LongRecallEnv(ToolEnv):
 
     Args:
         num_pages: pages, hence assistant turns before the answer.
-        page_words: filler words per page: an int, or ``[low, high]`` drawn per page.
+        page_words: filler words per page: an int, or ``[low, high]`` drawn log-uniformly per page.
         words_per_line: filler words per line.
         max_turns: steps before truncation (default: ``num_pages + 2``).
         **kwargs: ``tool_timeout_s``, ``max_tool_calls_per_turn``, ``max_tool_output_chars``.
@@ -58,11 +59,11 @@ class LongRecallEnv(ToolEnv):
 
     def new_task(self, rng: random.Random, options: dict[str, Any]) -> list[Message]:
         names = rng.sample(NAMES, self.num_pages)
-        self.facts = [(name, rng.randint(10, 99)) for name in names]
+        self.facts = list(zip(names, rng.sample(range(10, 100), self.num_pages)))  # distinct: one right answer
         self.asked = rng.randrange(self.num_pages)
         self.pages, self.next_index = [], 0
         for i, (name, value) in enumerate(self.facts):
-            words = [rng.choice(FILLER) for _ in range(rng.randint(*self.page_words))]
+            words = [rng.choice(FILLER) for _ in range(self._page_length(rng))]
             lines = [" ".join(words[k:k + self.words_per_line]) for k in range(0, len(words), self.words_per_line)]
             lines.insert(rng.randrange(len(lines) + 1), f"{name} = {value}")
             head = f"Page {i + 1} of {self.num_pages}."
@@ -70,6 +71,12 @@ class LongRecallEnv(ToolEnv):
             self.pages.append("\n".join([head, *lines, *tail]))
         return [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"The document has {self.num_pages} pages."}]
+
+    def _page_length(self, rng: random.Random) -> int:
+        """Filler words of one page, log-uniform over ``page_words``: with a wide range most pages
+        are short (cheap demonstrations) and some are as long as the longest."""
+        low, high = self.page_words
+        return min(high, int(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))
 
     @property
     def gold(self) -> int:
@@ -100,7 +107,7 @@ def expert(seed: int, *, recency_prob: float = 0.0, env_kwargs: dict[str, Any] |
 
     Example:
         >>> expert(0, env_kwargs={"page_words": 20})[-1]
-        'marbles = 43'
+        'apples = 77'
     """
     env = LongRecallEnv(**(env_kwargs or {}))
     env.reset(seed=seed)

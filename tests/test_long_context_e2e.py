@@ -130,6 +130,9 @@ def test_long_episode_with_a_refit_inside_trains_as_sampled(model_16k, ray_local
             learner_lp = (lp_v0 if v == 0 else lp_v1)[pos]
             diffs[v].append(abs(learner_lp - got.behavior_logprobs[pos]))
             moved.append(abs(lp_v1[pos] - lp_v0[pos]))
+    print(f"long episode: {len(traj)} tokens, {traj.num_turns} turns; mean |engine - learner| logprob: "
+          + ", ".join(f"v{v} {sum(d) / max(len(d), 1):.2e} over {len(d)} tokens" for v, d in diffs.items())
+          + f"; refit moved logprobs by up to {max(moved):.3f}")
     for v, d in diffs.items():
         assert d and sum(d) / len(d) < 1e-3, f"version {v}: mean |engine - learner| = {sum(d) / len(d):.2e}"
     assert max(moved) > 1e-3  # the refit changed the weights, so the per-version check means something
