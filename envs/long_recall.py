@@ -3,7 +3,9 @@
 Each of ``num_pages`` pages is long filler text with one fact line ``NAME = NN`` (a different name
 on every page). The last page ends with the question: the value of one of the names, drawn
 uniformly over the pages. The policy pages through with the ``next_page`` tool (one assistant
-turn per page) and answers ``NAME = NN``. The asked fact is on page 1 as often as on the last
+turn per page), passing the three-digit cursor that the previous page (or, for the first, the
+user) gave, and answers ``NAME = NN``. The cursors give every turn a short copy from the context,
+the same kind of copy the answer needs from far back. The asked fact is on page 1 as often as on the last
 page, so the answer sits anywhere from a few hundred to ``num_pages * page_words`` tokens back;
 the value (10-99) occurs nowhere else, so without the asked page in context the best one can do
 is a 1-in-90 guess. The filler is words a tiny tokenizer holds as single tokens: long
@@ -24,7 +26,8 @@ from agentrl.envs.tools import tool
 
 __all__ = ["LongRecallEnv", "expert"]
 
-SYSTEM = "Read every page with the next_page tool. The last page asks a question; reply: NAME = N."
+SYSTEM = ("Read every page with the next_page tool and the cursor you were given. The last page asks a "
+          "question; reply: NAME = N.")
 NAMES = ("apples", "books", "coins", "cards", "marbles", "pens", "boxes", "bags")
 FILLER = ("the", "a", "and", "of", "to", "in", "is", "has", "had", "then", "more", "each", "every", "after",
           "before", "Tom", "Anna", "Ben", "Maria", "Sam", "Zoe", "Omar", "Ivy", "Raj", "step", "think", "word",
@@ -54,6 +57,7 @@ class LongRecallEnv(ToolEnv):
         self.num_pages, self.page_words, self.words_per_line = num_pages, (low, high), words_per_line
         self.pages: list[str] = []
         self.facts: list[tuple[str, int]] = []
+        self.cursors: list[int] = []
         self.asked = 0
         self.next_index = 0
 
@@ -61,16 +65,20 @@ class LongRecallEnv(ToolEnv):
         names = rng.sample(NAMES, self.num_pages)
         self.facts = list(zip(names, rng.sample(range(10, 100), self.num_pages)))  # distinct: one right answer
         self.asked = rng.randrange(self.num_pages)
+        self.cursors = rng.sample(range(100, 1000), self.num_pages)  # three digits: never a fact's value
         self.pages, self.next_index = [], 0
         for i, (name, value) in enumerate(self.facts):
             words = [rng.choice(FILLER) for _ in range(self._page_length(rng))]
             lines = [" ".join(words[k:k + self.words_per_line]) for k in range(0, len(words), self.words_per_line)]
             lines.insert(rng.randrange(len(lines) + 1), f"{name} = {value}")
             head = f"Page {i + 1} of {self.num_pages}."
-            tail = [f"Question: what is the value of {self.facts[self.asked][0]}?"] if i == self.num_pages - 1 else []
+            last = i == self.num_pages - 1
+            tail = [f"Question: what is the value of {self.facts[self.asked][0]}?" if last
+                    else f"Next page cursor: {self.cursors[i + 1]}"]
             self.pages.append("\n".join([head, *lines, *tail]))
         return [{"role": "system", "content": SYSTEM},
-                {"role": "user", "content": f"The document has {self.num_pages} pages."}]
+                {"role": "user", "content": f"The document has {self.num_pages} pages. First page cursor: "
+                                             f"{self.cursors[0]}"}]
 
     def _page_length(self, rng: random.Random) -> int:
         """Filler words of one page, log-uniform over ``page_words``: with a wide range most pages
@@ -83,10 +91,17 @@ class LongRecallEnv(ToolEnv):
         return self.facts[self.asked][1]
 
     @tool
-    def next_page(self) -> str:
-        """Read the next page of the document."""
+    def next_page(self, cursor: int) -> str:
+        """Read the next page of the document.
+
+        Args:
+            cursor: The cursor of the page to read: given for the first page, at the end of each
+                page for the next one.
+        """
         if self.next_index >= len(self.pages):
             raise IndexError("no more pages: answer the question on the last page")
+        if cursor != self.cursors[self.next_index]:
+            raise ValueError(f"cursor {cursor} is not the next page's cursor")
         self.next_index += 1
         return self.pages[self.next_index - 1]
 
@@ -113,7 +128,7 @@ def expert(seed: int, *, recency_prob: float = 0.0, env_kwargs: dict[str, Any] |
     env.reset(seed=seed)
     rng = random.Random(f"expert:{seed}:{rng_seed}")
     name, value = env.facts[-1] if rng.random() < recency_prob else env.facts[env.asked]
-    return [format_tool_call("next_page", {})] * env.num_pages + [f"{name} = {value}"]
+    return [format_tool_call("next_page", {"cursor": c}) for c in env.cursors] + [f"{name} = {value}"]
 
 
 LongRecallEnv.expert = staticmethod(expert)  # the same function, reachable from the env class

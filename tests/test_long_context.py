@@ -24,7 +24,12 @@ from agentrl.replay import ReplayQueue
 from agentrl.rollout import cap_tool_outputs, run_episode
 from agentrl.trajectory import Trajectory, TrajectoryGroup
 
-NEXT = format_tool_call("next_page", {})
+
+
+def next_call(env: LongRecallEnv, k: int | None = None) -> str:
+    """The call that reads page k (default: the next one) with its cursor."""
+    k = env.next_index if k is None else k
+    return format_tool_call("next_page", {"cursor": env.cursors[min(k, len(env.cursors) - 1)]})
 
 
 # ------------------------------------------------------------------------------ LongRecall
@@ -50,7 +55,7 @@ def test_expert_reads_every_page_and_its_habit_is_right_only_on_the_last_page(se
         env = LongRecallEnv(**kwargs)
         env.reset(seed=seed)
         actions = expert(seed, recency_prob=recency, env_kwargs=kwargs)
-        assert actions[:-1] == [NEXT] * 4
+        assert actions[:-1] == [next_call(env, k) for k in range(4)]
         for action in actions[:-1]:
             obs, reward, terminated, truncated, _ = env.step(action)
             assert obs[0]["role"] == "tool" and not terminated and reward == 0.0
@@ -63,13 +68,23 @@ def test_an_answer_before_the_last_page_scores_zero_and_paging_past_the_end_is_a
     env = LongRecallEnv(num_pages=2, page_words=10)
     env.reset(seed=3)
     name, value = env.facts[env.asked]
-    env.step(NEXT)
+    env.step(next_call(env))
     _, reward, terminated, _, _ = env.step(f"{name} = {value}")
     assert terminated and reward == 0.0
     env.reset(seed=3)
-    env.step(NEXT), env.step(NEXT)
-    obs, _, terminated, _, info = env.step(NEXT)
+    env.step(next_call(env)), env.step(next_call(env))
+    obs, _, terminated, _, info = env.step(next_call(env))
     assert not terminated and "no more pages" in obs[0]["content"] and "error" in info
+
+
+def test_a_wrong_cursor_is_an_error_and_does_not_turn_the_page():
+    env = LongRecallEnv(num_pages=3, page_words=10)
+    env.reset(seed=5)
+    obs, _, _, _, info = env.step(format_tool_call("next_page", {"cursor": env.cursors[1]}))
+    assert "not the next page's cursor" in obs[0]["content"] and env.next_index == 0
+    obs, _, _, _, info = env.step(next_call(env))
+    assert obs[0]["content"].startswith("Page 1 of 3.") and obs[0]["content"].endswith(
+        f"Next page cursor: {env.cursors[1]}") and "error" not in info
 
 
 def test_bad_settings_are_refused():
