@@ -1,4 +1,4 @@
-.PHONY: setup quickstart test test-fast
+.PHONY: setup quickstart test test-fast docs docs-serve
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -13,3 +13,11 @@ test: setup
 # Everything but the Ray/vLLM end-to-end runs.
 test-fast: setup
 	.venv/bin/python -m pytest -q -m "not slow"
+
+# The docs site (docs/, mkdocs.yml) into site/; --strict: a broken link or reference fails.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs build --strict
+
+# Serve the docs at http://127.0.0.1:8000, rebuilding on every change.
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 .venv/bin/python -m mkdocs serve --dev-addr 127.0.0.1:8000

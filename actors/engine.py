@@ -2,7 +2,9 @@
 
 Created with ``max_restarts=-1``: when the actor dies, Ray restarts it, and the first call on
 the new instance starts vLLM and loads the weights the engines currently serve (from the replay
-actor, which holds a reference to them) before it takes any work.
+actor, which holds a reference to them) before it takes any work. The trainer names the replay
+actor rather than passing its handle: a constructor argument holding a reference makes Ray warn
+that a restart could fail (ray-project/ray#53727), while a name is looked up afresh.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ __all__ = ["EngineActor"]
 @ray.remote
 class EngineActor:
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
-                 weight_source: Any = None) -> None:
+                 weight_source: Any = None, enable_sleep_mode: bool = False) -> None:
+        """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
+        ``latest_weights`` a (re)started engine loads before it serves."""
         from agentrl.engines.vllm_engine import VLLMEngine
 
-        self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed)
+        self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode)
         self.weight_source = weight_source
         self._started = False
         self._lock: asyncio.Lock | None = None
@@ -36,10 +40,16 @@ class EngineActor:
             if self._started:
                 return
             await self.engine.start()
+            if isinstance(self.weight_source, str):  # a named actor (the trainer's replay actor)
+                self.weight_source = ray.get_actor(self.weight_source)
             if self.weight_source is not None:
                 version, refs = await self.weight_source.latest_weights.remote()
                 if refs:
-                    await self.engine.update_weights(await refs[0], version, mode="drain")
+                    # Only object-store refits are staged (CPU tensors): a GPU transport's handle
+                    # or broadcast cannot be replayed, and the engine serves its start weights.
+                    weights = await refs[0]
+                    if isinstance(weights, dict):
+                        await self.engine.update_weights(weights, version, mode="drain")
             self._started = True
 
     async def start(self) -> int:
@@ -64,6 +74,42 @@ class EngineActor:
         if version <= self.engine.version:  # a restarted engine may already have caught up
             return 0.0
         return await self.engine.update_weights(weights, version, mode)  # type: ignore[arg-type]
+
+    async def sleep(self, level: int = 1) -> float:
+        """Drain and release GPU memory while a colocated learner steps (vLLM sleep mode)."""
+        await self._ready()
+        return await self.engine.sleep(level)
+
+    async def wake_up(self) -> float:
+        await self._ready()
+        return await self.engine.wake_up()
+
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                backend: str) -> list[int]:
+        await self._ready()
+        return await self.engine.init_weight_group(host, port, rank_offset, world_size, backend)
+
+    async def gpu_memory(self) -> dict[str, float]:
+        """Memory of this actor's GPU (GiB), used by all processes, read through NVML (no CUDA
+        context in this process); empty on CPU."""
+        import os
+
+        try:
+            import pynvml
+        except ImportError:
+            return {}
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
+        if not visible:
+            return {}
+        pynvml.nvmlInit()
+        try:
+            first = visible.split(",")[0]
+            handle = (pynvml.nvmlDeviceGetHandleByUUID(first) if first.startswith("GPU-")
+                      else pynvml.nvmlDeviceGetHandleByIndex(int(first)))
+            info = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        finally:
+            pynvml.nvmlShutdown()
+        return {"used_gib": info.used / 2**30, "total_gib": info.total / 2**30}
 
     def version(self) -> int:
         return self.engine.version

@@ -23,6 +23,9 @@ class LearnerActor:
         from agentrl.learners.base import build_learner
 
         torch.set_num_threads(max(1, int(cfg.learner.num_cpus)))
+        self.rank = int(kwargs.get("rank", 0))
+        self._refit_buf = None
+        self._weight_group = None
         self.learner = build_learner(cfg, model_path=model_path, **kwargs)
 
     def train_step(self, groups) -> dict[str, float]:
@@ -33,6 +36,67 @@ class LearnerActor:
 
     def export_weights(self) -> dict:
         return self.learner.export_weights()
+
+    # -- GPU refit (agentrl/refit.py) -------------------------------------------------------------
+    def export_for_refit(self, transport: str):
+        """Weights for one refit: a dict of CPU tensors (object_store), or, on rank 0, a
+        RefitPayload whose flat GPU buffer this actor keeps until :meth:`release_refit`
+        (cuda_ipc: the engines open its handle; nccl: :meth:`broadcast_weights` sends it).
+        Collective under Megatron: every rank calls it; other ranks return None."""
+        import torch
+
+        from agentrl.refit import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
+
+        if transport == "object_store":
+            return self.learner.export_weights()
+        weights = self.learner.export_weights(device="cuda" if torch.cuda.is_available() else "cpu")
+        if self.rank != 0:
+            return None
+        self._refit_buf, spec = flatten_weights(weights)
+        del weights
+        if self._refit_buf.is_cuda:
+            torch.cuda.synchronize()  # the buffer is complete before another process reads it
+        handle = ipc_handle(self._refit_buf) if transport == "cuda_ipc" else None
+        return RefitPayload(transport, spec_to_bytes(spec), handle)  # type: ignore[arg-type]
+
+    def init_weight_group(self, host: str, port: int, world_size: int) -> int:
+        """Rank 0 of the refit broadcast group (nccl transport; gloo when the learner is on CPU)."""
+        import torch
+
+        from agentrl.refit import WeightGroup
+
+        if self.rank == 0:
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            self._weight_group = WeightGroup(host, port, 0, world_size, backend=backend)
+        return self.rank
+
+    def broadcast_weights(self) -> float:
+        """Send the buffer of the last :meth:`export_for_refit` to the engines (rank 0)."""
+        import time
+
+        t0 = time.perf_counter()
+        if self.rank == 0:
+            self._weight_group.broadcast(self._refit_buf)
+        return time.perf_counter() - t0
+
+    def release_refit(self) -> None:
+        """Drop the refit buffer (after every engine has loaded from it)."""
+        self._refit_buf = None
+        self.free_memory()
+
+    def free_memory(self) -> dict[str, float]:
+        """Return cached GPU memory to the device (colocated: the engine wakes next); GiB held."""
+        import gc
+
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                "reserved_gib": torch.cuda.memory_reserved() / 2**30,
+                "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
@@ -66,12 +130,14 @@ class LearnerGroup:
     def __init__(self, cfg: Config, model_path: str) -> None:
         lc = cfg.learner
         world = max(1, lc.num_gpus) if lc.backend == "megatron" else 1
-        opts = dict(num_cpus=lc.num_cpus, num_gpus=1 if lc.num_gpus else 0, resources=lc.resources)
+        # Colocated: each rank books a share of a GPU, so Ray puts an engine on the same device.
+        gpus = (cfg.colocate.learner_gpu_fraction if cfg.colocate.enabled else 1) if lc.num_gpus else 0
+        opts = dict(num_cpus=lc.num_cpus, num_gpus=gpus, resources=lc.resources)
         if world == 1 and lc.backend == "torch":
             self.actors = [LearnerActor.options(**opts).remote(cfg, model_path)]
         else:
             # Rank 0's node hosts the rendezvous; Ray gives each actor one GPU (local rank 0).
-            pg = ray.util.placement_group([{"CPU": lc.num_cpus, "GPU": 1 if lc.num_gpus else 0}] * world, strategy="PACK")
+            pg = ray.util.placement_group([{"CPU": lc.num_cpus, "GPU": gpus}] * world, strategy="PACK")
             ray.get(pg.ready())
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 

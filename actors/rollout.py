@@ -52,15 +52,33 @@ class RolloutActor:
         import gymnasium as gym
         from transformers import AutoTokenizer
 
-        import agentrl.envs  # noqa: F401  (registers the built-in envs)
         from agentrl.chat import ChatRenderer
+        from agentrl.config import ConfigError
+        from agentrl.env_ids import import_env_module
 
         self.cfg = cfg
         self.replay = replay
         self.index = actor_index
         self.router = Router(engines)
-        self.renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_path))
-        self.make_env = lambda: gym.make(cfg.env.id, **cfg.env.kwargs)
+        from agentrl.envs.base import set_tool_parser
+        from agentrl.tool_calls import build_tool_parser
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.renderer = ChatRenderer(tokenizer)
+        self.tool_parser = build_tool_parser(cfg.rollout.tool_parser, model_path, tokenizer)
+        try:  # the driver imported it; a node of a cluster has it only through the runtime_env
+            env_name = import_env_module(cfg.env.id)
+        except ConfigError as err:
+            raise ConfigError(f"rollout actor {actor_index} on node {ray.util.get_node_ip_address()}: {err} "
+                              "(other nodes get the module through cluster.ship_env_module or "
+                              "cluster.runtime_env)") from None
+
+        def make_env():
+            env = gym.make(env_name, **cfg.env.kwargs)
+            set_tool_parser(env, self.tool_parser)
+            return env
+
+        self.make_env = make_env
         self.make_env().close()  # fail fast on a bad env id or kwargs
         self._stop = False
         self._tasks = itertools.count()

@@ -18,6 +18,7 @@ from agentrl.trajectory import TrajectoryGroup
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "STD_CORRECTIONS",
     "build_advantage_estimator",
     "group_advantages",
     "group_baseline",
@@ -25,20 +26,32 @@ __all__ = [
     "turn_returns",
 ]
 
-Estimator = Callable[[torch.Tensor, bool, float], tuple[torch.Tensor, torch.Tensor]]
-"""``(returns [G], normalize_std, eps) -> (baseline [G], scale [G])``."""
+Estimator = Callable[[torch.Tensor, bool, float, str], tuple[torch.Tensor, torch.Tensor]]
+"""``(returns [G], normalize_std, eps, std) -> (baseline [G], scale [G])``."""
+
+STD_CORRECTIONS: dict[str, int] = {"population": 0, "sample": 1}
+"""``advantage.std`` -> Bessel correction of the group's standard deviation (divide by G - c)."""
 
 
 def _grpo(
-    returns: torch.Tensor, normalize_std: bool, eps: float
+    returns: torch.Tensor, normalize_std: bool, eps: float, std: str = "population"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     baseline = returns.mean().expand_as(returns)
-    scale = returns.std(correction=0) + eps if normalize_std else returns.new_ones(())
+    if not normalize_std:
+        return baseline, returns.new_ones(()).expand_as(returns)
+    if std not in STD_CORRECTIONS:
+        hint = difflib.get_close_matches(std, list(STD_CORRECTIONS), n=1)
+        raise ConfigError(
+            f"unknown advantage.std '{std}'" + (f"; did you mean '{hint[0]}'?" if hint else "")
+            + f" (known: {', '.join(STD_CORRECTIONS)})"
+        )
+    # A group of one has no sample std (0/0); it ties with itself and never reaches here.
+    scale = returns.std(correction=STD_CORRECTIONS[std]) + eps
     return baseline, scale.expand_as(returns)
 
 
 def _rloo(
-    returns: torch.Tensor, normalize_std: bool, eps: float
+    returns: torch.Tensor, normalize_std: bool, eps: float, std: str = "population"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Leave-one-out: each episode against the mean of the others (an unbiased baseline).
     num = returns.numel()
@@ -48,7 +61,7 @@ def _rloo(
 
 
 def _dr_grpo(
-    returns: torch.Tensor, normalize_std: bool, eps: float
+    returns: torch.Tensor, normalize_std: bool, eps: float, std: str = "population"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # Dr. GRPO drops the std division (it biases towards easy/hard groups); pair it with
     # loss.aggregation = seq_mean_token_sum, not a per-sequence length normalization.
@@ -77,7 +90,12 @@ def build_advantage_estimator(name: str) -> Estimator:
 
 
 def group_baseline(
-    returns: torch.Tensor, estimator: str, *, normalize_std: bool = True, eps: float = 1e-6
+    returns: torch.Tensor,
+    estimator: str,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    std: str = "population",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Baseline and scale of each episode of a group: ``A_i = (x_i - baseline_i) / scale_i``.
 
@@ -88,22 +106,29 @@ def group_baseline(
     Args:
         returns: ``[G]`` episode returns of one group.
         estimator: ``"grpo"``, ``"rloo"`` or ``"dr_grpo"``.
-        normalize_std: GRPO only: divide by the group's population std plus ``eps``.
+        normalize_std: GRPO only: divide by the group's std plus ``eps``.
         eps: added to the standard deviation.
+        std: GRPO's standard deviation: ``"population"`` (over G) or ``"sample"`` (over G - 1).
     """
     fn = build_advantage_estimator(estimator)
     if returns.numel() == 0 or bool((returns == returns.reshape(-1)[0]).all()):
         return returns.clone(), torch.ones_like(returns)
-    return fn(returns, normalize_std, eps)
+    return fn(returns, normalize_std, eps, std)
 
 
 def group_advantages(
-    rewards: torch.Tensor, estimator: str, *, normalize_std: bool = True, eps: float = 1e-6
+    rewards: torch.Tensor,
+    estimator: str,
+    *,
+    normalize_std: bool = True,
+    eps: float = 1e-6,
+    std: str = "population",
 ) -> torch.Tensor:
     """Advantages of the G episodes of one task from their rewards.
 
-    * ``grpo``: ``(r - mean) / (std + eps)`` (population std), or ``r - mean`` without
-      ``normalize_std``;
+    * ``grpo``: ``(r - mean) / (std + eps)``, with the population std (``std="population"``,
+      over G) or the Bessel-corrected one (``"sample"``, over G - 1, verl's and NeMo-RL's), or
+      ``r - mean`` without ``normalize_std``;
     * ``rloo``: ``r_i - mean_{j≠i} r_j``;
     * ``dr_grpo``: ``r - mean``.
 
@@ -112,6 +137,7 @@ def group_advantages(
         estimator: a key of :data:`ADVANTAGE_ESTIMATORS`.
         normalize_std: GRPO only (ignored by the others).
         eps: added to the standard deviation.
+        std: GRPO only: ``"population"`` or ``"sample"`` standard deviation.
 
     Returns:
         ``[G]`` advantages; all zeros when the rewards tie.
@@ -119,8 +145,12 @@ def group_advantages(
     Example:
         >>> group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), "rloo")
         tensor([ 0.6667, -0.6667, -0.6667,  0.6667])
+        >>> group_advantages(torch.tensor([1.0, 0.0]), "grpo", eps=0.0, std="sample")
+        tensor([ 0.7071, -0.7071])
     """
-    baseline, scale = group_baseline(rewards, estimator, normalize_std=normalize_std, eps=eps)
+    baseline, scale = group_baseline(
+        rewards, estimator, normalize_std=normalize_std, eps=eps, std=std
+    )
     return (rewards - baseline) / scale
 
 
@@ -164,7 +194,7 @@ def trajectory_token_advantages(group: TrajectoryGroup, cfg: AdvantageConfig) ->
     per_turn = [turn_returns(group.trajectories[i].turn_rewards, cfg.turn_discount) for i in live]
     episode = torch.tensor([g[0] if g else 0.0 for g in per_turn], dtype=torch.float64)
     baseline, scale = group_baseline(
-        episode, cfg.estimator, normalize_std=cfg.normalize_std, eps=cfg.eps
+        episode, cfg.estimator, normalize_std=cfg.normalize_std, eps=cfg.eps, std=cfg.std
     )
     for j, i in enumerate(live):
         traj = group.trajectories[i]

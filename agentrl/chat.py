@@ -1,129 +1,85 @@
-"""Token-in/token-out chat rendering and Hermes/Qwen tool-call parsing.
+"""Token-in/token-out chat rendering with a model's own chat template.
 
 The prompt is rendered to token ids once. After that, every turn appends the tokens the engine
 sampled, exactly, and then the *delta* of the observation messages: the text the chat template
 puts between the end of an assistant turn and the start of the next generation. Past turns are
-never re-rendered, so the learner trains on exactly the tokens the policy produced.
+never re-rendered, so the learner trains on exactly the tokens the policy produced (templates that
+rewrite past turns, such as Qwen3's, which drops the reasoning of turns before the last user
+message, would otherwise change them).
+
+The token that ends an assistant turn is read from the template (``<|im_end|>`` for Qwen,
+``<|eot_id|>`` for Llama 3, ``</s>`` for Mistral); it need not be the tokenizer's EOS token.
+Tool-call parsing lives in :mod:`agentrl.tool_calls` (re-exported here). This module knows
+nothing of engines, envs or Ray.
 """
 
 from __future__ import annotations
 
 import json
-import re
-from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+from agentrl.tool_calls import ToolCall, ToolCallParse, format_tool_call, format_tool_calls, parse_tool_calls
 
 __all__ = [
     "ChatRenderer",
     "ToolCall",
     "ToolCallParse",
     "format_tool_call",
+    "format_tool_calls",
     "parse_tool_calls",
 ]
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 _PLACEHOLDER = "\u2063agentrl-placeholder\u2063"
 
 
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any]
-
-
-@dataclass
-class ToolCallParse:
-    """Result of parsing one assistant message: the calls that parsed, and one error per block
-    that did not. ``content`` is the text outside the tool-call blocks."""
-
-    calls: list[ToolCall] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    content: str = ""
-
-
-def parse_tool_calls(text: str) -> ToolCallParse:
-    """Parse ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks; never raises.
-
-    Example:
-        >>> parse_tool_calls('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>').calls
-        [ToolCall(name='f', arguments={'x': 1})]
-    """
-    result = ToolCallParse()
-    if not isinstance(text, str):
-        result.errors.append(f"assistant message must be text, got {type(text).__name__}")
-        return result
-    # A linear scan (a lazy regex is quadratic on many unterminated tags, which a degenerate
-    # policy produces).
-    pos, rest_parts = 0, []
-    while True:
-        start = text.find(OPEN, pos)
-        if start < 0:
-            rest_parts.append(text[pos:])
-            break
-        end = text.find(CLOSE, start + len(OPEN))
-        if end < 0:
-            result.errors.append("unterminated <tool_call> block (missing </tool_call>)")
-            rest_parts.append(text[pos:start])
-            break
-        rest_parts.append(text[pos:start])
-        _parse_block(text[start + len(OPEN): end].strip(), result)
-        pos = end + len(CLOSE)
-    rest = "".join(rest_parts)
-    result.content = rest.strip()
-    return result
-
-
-def _parse_block(body: str, result: ToolCallParse) -> None:
-    try:
-        obj = json.loads(body)
-    except (ValueError, RecursionError) as exc:
-        result.errors.append(f"tool call is not valid JSON ({exc.__class__.__name__}: {str(exc)[:80]})")
-        return
-    if not isinstance(obj, dict):
-        result.errors.append(f"tool call must be a JSON object, got {type(obj).__name__}")
-        return
-    name = obj.get("name")
-    args = obj.get("arguments", {})
-    if isinstance(args, str):  # some models emit arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except (ValueError, RecursionError):
-            result.errors.append("tool call 'arguments' is a string that is not valid JSON")
-            return
-    if not isinstance(name, str) or not name:
-        result.errors.append("tool call needs a string 'name'")
-        return
-    if not isinstance(args, dict):
-        result.errors.append(f"tool call 'arguments' must be an object, got {type(args).__name__}")
-        return
-    result.calls.append(ToolCall(name=name, arguments=args))
-
-
-def format_tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """The text a model emits for one call (used by demonstrators and tests)."""
-    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+def _generation_eos_ids(tokenizer: Any) -> list[int]:
+    path = Path(str(getattr(tokenizer, "name_or_path", "") or "")) / "generation_config.json"
+    if not path.is_file():
+        return []
+    ids = json.loads(path.read_text()).get("eos_token_id")
+    return [ids] if isinstance(ids, int) else [i for i in ids or [] if isinstance(i, int)]
 
 
 class ChatRenderer:
     """Renders chat messages to token ids with a tokenizer's chat template.
 
     Args:
-        tokenizer: a Hugging Face tokenizer with a chat template and an EOS token that ends an
-            assistant turn (``<|im_end|>`` for Qwen-style templates).
+        tokenizer: a Hugging Face tokenizer with a chat template that ends every assistant turn
+            with a special token (its end-of-turn token).
+
+    Attributes:
+        end_of_turn_id: the token the template puts right after an assistant message's content.
+        stop_token_ids: ids that end a sampled turn: the end-of-turn token, the EOS token and the
+            checkpoint's ``generation_config.json`` EOS ids (where vLLM stops; Llama 3's ``<|eom_id|>``).
     """
 
     def __init__(self, tokenizer: Any) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("tokenizer has no chat_template; agentrl needs one to render episodes")
         self.tokenizer = tokenizer
-        self.eos_token_id: int = tokenizer.eos_token_id
-        self.eos_token: str = tokenizer.eos_token
+        self.eos_token_id: int | None = tokenizer.eos_token_id
+        self.end_of_turn: str = self._find_end_of_turn()
+        self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
+        self.stop_token_ids: frozenset[int] = frozenset(
+            i for i in (self.end_of_turn_id, self.eos_token_id, *_generation_eos_ids(tokenizer)) if i is not None)
 
     def _template(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
             messages, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+    def _find_end_of_turn(self) -> str:
+        text = self._template([{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}],
+                              None, add_generation_prompt=False)
+        after = text[text.find(_PLACEHOLDER) + len(_PLACEHOLDER):] if _PLACEHOLDER in text else ""
+        special = sorted(set(self.tokenizer.all_special_tokens) | {
+            t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special}, key=len, reverse=True)
+        for token in special:
+            if token and after.startswith(token):
+                return token
+        raise ValueError("the chat template does not end an assistant turn with a special token (it renders "
+                         f"{after[:40]!r} after the assistant's text); agentrl cannot tell where turns end")
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False))
@@ -133,19 +89,18 @@ class ChatRenderer:
         return self.encode(self._template(messages, tools, add_generation_prompt=True))
 
     def observation_delta_ids(self, messages: list[dict]) -> list[int]:
-        """Token ids that follow an assistant turn's EOS token: the observation messages and the
-        next generation prompt, as the chat template renders them after an assistant turn."""
+        """Token ids that follow an assistant turn's end-of-turn token: the observation messages
+        and the next generation prompt, as the chat template renders them after an assistant turn."""
         prefix = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
-        before = self._template(prefix, None, add_generation_prompt=False)
         full = self._template(prefix + list(messages), None, add_generation_prompt=True)
-        cut = before.find(self.eos_token, before.find(_PLACEHOLDER))
-        if cut < 0 or not full.startswith(before[: cut + len(self.eos_token)]):
-            raise ValueError("chat template does not end assistant turns with the EOS token; cannot render deltas")
-        delta = full[cut + len(self.eos_token):]
-        return self.encode(delta)
+        at = full.find(_PLACEHOLDER) + len(_PLACEHOLDER)
+        if at < len(_PLACEHOLDER) or not full.startswith(self.end_of_turn, at):
+            raise ValueError(f"the chat template does not end assistant turns with {self.end_of_turn!r} when "
+                             "observations follow; cannot render deltas")
+        return self.encode(full[at + len(self.end_of_turn):])
 
     def decode(self, ids: list[int]) -> str:
-        """The text an env sees for sampled ids: EOS and padding dropped, but special tokens that
-        carry meaning (``<tool_call>`` is one in many tokenizers) kept."""
-        drop = {self.eos_token_id, self.tokenizer.pad_token_id}
+        """The text an env sees for sampled ids: stop tokens and padding dropped, but special
+        tokens that carry meaning (``<tool_call>``, ``[TOOL_CALLS]``) kept."""
+        drop = self.stop_token_ids | {self.tokenizer.pad_token_id}
         return self.tokenizer.decode([i for i in ids if i not in drop], skip_special_tokens=False)

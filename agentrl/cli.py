@@ -40,9 +40,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed-offset", type=int, default=1_000_000)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--max-turns", type=int, default=4)
+    p.add_argument("--tool-parser", default="auto",
+                   help="vLLM tool parser of the model's calls (default auto: the checkpoint's family)")
 
-    p = sub.add_parser("bootstrap-tiny", help="write a tiny random Qwen2 model with tokenizer and chat template")
+    p = sub.add_parser("bootstrap-tiny", help="write a tiny random model of a family, with tokenizer and chat template")
     p.add_argument("dir")
+    p.add_argument("--family", choices=["qwen2", "qwen3", "llama3", "mistral"], default="qwen2",
+                   help="architecture, special tokens and chat-template format (default: qwen2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context-length", type=int, default=4096, help="max_position_embeddings")
     p.add_argument("--rope-theta", type=float, default=10000.0)
@@ -96,14 +100,14 @@ def main(argv: list[str] | None = None) -> int:
 
             metrics = evaluate_model(
                 args.model, args.env, num_episodes=args.episodes, seed_offset=args.seed_offset,
-                temperature=args.temperature, max_turns=args.max_turns,
+                temperature=args.temperature, max_turns=args.max_turns, tool_parser=args.tool_parser,
             )
             for key, value in metrics.items():
                 print(f"{key:28s} {value:.4f}")
         elif args.command == "bootstrap-tiny":
             from agentrl.tiny import bootstrap_tiny
 
-            print(bootstrap_tiny(args.dir, seed=args.seed, max_position_embeddings=args.context_length,
+            print(bootstrap_tiny(args.dir, seed=args.seed, family=args.family, max_position_embeddings=args.context_length,
                                  rope_theta=args.rope_theta))
         elif args.command == "plot":
             from agentrl.plot import plot_run

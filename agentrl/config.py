@@ -7,15 +7,20 @@ Every model rejects unknown keys, and every error names the dotted path of the f
 from __future__ import annotations
 
 import difflib
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from agentrl.tool_calls import tool_parser_error
 
 __all__ = [
+    "FAST_OPTIONS",
     "AdvantageConfig",
     "ClusterConfig",
+    "ColocateConfig",
     "Config",
     "ConfigError",
     "EngineConfig",
@@ -27,6 +32,7 @@ __all__ = [
     "LossConfig",
     "MegatronConfig",
     "ModelConfig",
+    "TinyModelConfig",
     "PackingConfig",
     "RefitConfig",
     "ReplayConfig",
@@ -35,6 +41,7 @@ __all__ = [
     "TrainConfig",
     "apply_overrides",
     "load_config",
+    "resolve_fast_options",
 ]
 
 
@@ -48,39 +55,66 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
 
 
+class TinyModelConfig(Section):
+    hidden_size: int = Field(128, ge=8)
+    """Width of the tiny model that model.bootstrap_tiny creates."""
+    num_layers: int = Field(4, ge=1)
+    """Decoder layers of the tiny model."""
+    num_heads: int = Field(4, ge=1)
+    """Attention heads (hidden_size must be a multiple)."""
+    num_kv_heads: int = Field(2, ge=1)
+    """Key/value heads (grouped-query attention; num_heads must be a multiple)."""
+    intermediate_size: int = Field(384, ge=8)
+    """MLP width."""
+    max_position_embeddings: int = Field(4096, ge=64)
+    """Context the tiny model (and vLLM serving it) accepts; 16384 for the long-context recipe."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """Rotary base; larger for long contexts, so some rotary dimensions stay nearly still over the
+    whole window and attention can match content at any distance."""
+
+    @model_validator(mode="after")
+    def _heads(self) -> "TinyModelConfig":
+        if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads}), "
+                             f"and num_heads of num_kv_heads ({self.num_kv_heads})")
+        return self
+
+
 class ModelConfig(Section):
     path: str = ".cache/tiny-model"
     """Hugging Face-format model directory (config.json, safetensors, tokenizer)."""
     bootstrap_tiny: bool = False
-    """Create a tiny random Qwen2 model at `path` when it does not exist (`agentrl bootstrap-tiny`)."""
-    tiny_kwargs: dict[str, Any] = Field(default_factory=dict)
-    """Keyword arguments of `agentrl.tiny.bootstrap_tiny` for the model bootstrap_tiny creates,
-    e.g. `{max_position_embeddings: 16384, rope_theta: 1000000.0, hidden_size: 64}`."""
-
-    @model_validator(mode="after")
-    def _tiny_kwargs_known(self) -> "ModelConfig":
-        import inspect
-
-        from agentrl.tiny import bootstrap_tiny  # no heavy imports at module level
-
-        known = [p for p in inspect.signature(bootstrap_tiny).parameters if p not in ("out_dir", "seed", "corpus")]
-        for key in self.tiny_kwargs:
-            if key not in known:
-                close = difflib.get_close_matches(key, known, n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else f"; known: {', '.join(known)}"
-                raise ValueError(f"tiny_kwargs has unknown key '{key}'{hint}")
-        return self
+    """Create a tiny random model at `path` when it does not exist (`agentrl bootstrap-tiny`)."""
+    family: Literal["qwen2", "qwen3", "llama3", "mistral"] = "qwen2"
+    """Model family of the tiny model `bootstrap_tiny` creates: its architecture, special tokens and
+    chat template (tool-call syntax, tool-result role, end-of-turn token)."""
+    tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
+    """Size of the model bootstrap_tiny creates (the GPU recipe uses a larger one)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of learner and engines. float32 on CPU keeps engine/learner logprobs equal."""
 
 
 class EnvConfig(Section):
     id: str = "agentrl/Calculator-v0"
-    """Registered Gymnasium id of the training environment."""
+    """Gymnasium id of the training environment, or `module:EnvId` (Gymnasium's form) to import
+    `module` first, e.g. `examples.units_env:my/Units-v0`; the module is looked up on the Python
+    path, then in the current directory, and imported in the driver and in every rollout actor."""
     kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments passed to `gymnasium.make`."""
     step_timeout_s: float = Field(30.0, gt=0)
     """An env step that takes longer marks the episode failed."""
+
+    @field_validator("id")
+    @classmethod
+    def _module_colon_id(cls, value: str) -> str:
+        module, sep, name = value.partition(":")
+        if not value or (sep and not name) or ":" in name:
+            raise ValueError("expected EnvId or module:EnvId (one ':'), e.g. examples.units_env:my/Units-v0")
+        if sep and not all(part.isidentifier() for part in module.split(".")):
+            dotted = module.removesuffix(".py").replace("/", ".").replace("\\", ".")
+            raise ValueError(f"'{module}' is not a Python module name; write it dotted, as in import "
+                             f"statements (e.g. {dotted}:{name})")
+        return value
 
 
 class RolloutConfig(Section):
@@ -114,6 +148,18 @@ class RolloutConfig(Section):
     """Training tasks use env seeds `seed_offset + k`; eval seeds live elsewhere."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
+    tool_parser: str = "auto"
+    """vLLM tool parser that reads tool calls in sampled text (hermes, llama3_json, mistral,
+    pythonic, ...: any name in vllm.tool_parsers.ToolParserManager). auto: the checkpoint's
+    family, from its chat template's call syntax or its model_type."""
+
+    @field_validator("tool_parser")
+    @classmethod
+    def _known_tool_parser(cls, name: str) -> str:
+        error = tool_parser_error(name, key=None)
+        if error is not None:
+            raise ValueError(error)
+        return name
 
 
 class EngineConfig(Section):
@@ -151,20 +197,25 @@ class ReplayConfig(Section):
 
 
 class ImportanceSamplingConfig(Section):
-    type: Literal["none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "gspo"] = (
-        "token_tis"
-    )
-    """Correction of the gap between the proximal policy and the behaviour policy (engine).
-    token_tis: per-token weight min(ratio, cap); seq_tis: product of token ratios, truncated;
-    seq_tis_geo: geometric mean, truncated; token_mask: drop tokens whose ratio is outside
-    [low, high] (icepop); seq_mask_geo: drop sequences whose geometric-mean ratio is outside
-    [low, high]; gspo: GSPO's sequence-level (geometric-mean) policy ratio."""
+    type: Literal[
+        "none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "icepop", "seq_icepop", "gspo"
+    ] = "token_tis"
+    """Correction of the gap between the proximal policy and the behaviour policy (engine), with
+    ratio = pi_prox / mu per token. token_tis: per-token weight min(ratio, cap); seq_tis: product of
+    the sequence's token ratios, truncated; seq_tis_geo: their geometric mean, truncated;
+    token_mask: rejection sampling: a token whose ratio is outside [low, high] gets weight 0, a kept
+    one weight 1; seq_mask_geo: the same per sequence, by the geometric-mean ratio; icepop (IcePop,
+    NeMo-RL's icepop): tokens outside [low, high] get 0, a kept token its own ratio, truncated at cap;
+    seq_icepop (NeMo-RL's seq-mask-tis): sequences whose geometric-mean ratio is outside [low, high]
+    get 0, each token of a kept one its own ratio, truncated at cap; gspo: GSPO's sequence-level
+    (geometric-mean) policy ratio, corrected like seq_tis_geo."""
     cap: float = Field(2.0, gt=0)
-    """Truncation cap C for the *_tis types."""
+    """Truncation cap C of the *_tis, icepop and seq_icepop weights (gspo's too). With cap >= high,
+    icepop and seq_icepop weight kept tokens by their untruncated ratio, as NeMo-RL does."""
     low: float = Field(0.5, ge=0)
-    """Lower bound of the kept band for the *_mask types."""
+    """Lower bound of the kept band of token_mask, seq_mask_geo, icepop and seq_icepop."""
     high: float = Field(2.0, gt=0)
-    """Upper bound of the kept band for the *_mask types."""
+    """Upper bound of the kept band of token_mask, seq_mask_geo, icepop and seq_icepop."""
 
     @model_validator(mode="after")
     def _band(self) -> "ImportanceSamplingConfig":
@@ -202,11 +253,26 @@ class AdvantageConfig(Section):
     """grpo: reward minus group mean (over std if normalize_std); rloo: leave-one-out mean
     baseline; dr_grpo: group mean only, no std (pair with seq_mean_token_sum)."""
     normalize_std: bool = True
-    """GRPO only: divide by the group's reward standard deviation."""
+    """GRPO only: divide by the group's reward standard deviation (see std)."""
+    std: Literal["population", "sample"] = "population"
+    """Which standard deviation GRPO divides by (with normalize_std): population (divide the
+    squared deviations by G) or sample (by G - 1, Bessel-corrected, as verl and NeMo-RL do).
+    Rewards [1, 0] give advantages +-1.0 with population and +-0.707 with sample. No effect on
+    rloo, dr_grpo or without normalize_std."""
     turn_discount: float = Field(1.0, ge=0, le=1)
     """Discount of later turns' rewards for turn-level credit; 1.0 = whole-episode return."""
     eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
+
+    @model_validator(mode="after")
+    def _std_has_effect(self) -> AdvantageConfig:
+        if "std" in self.model_fields_set and (self.estimator != "grpo" or not self.normalize_std):
+            warnings.warn(
+                f"advantage.std={self.std} has no effect with estimator={self.estimator}, "
+                f"normalize_std={self.normalize_std} (only grpo with normalize_std divides by a std)",
+                stacklevel=2,
+            )
+        return self
 
 
 class PackingConfig(Section):
@@ -240,23 +306,67 @@ class MegatronConfig(Section):
     attention: Literal["flex", "sdpa", "te"] = "flex"
     """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
     TransformerEngine's when it is importable."""
-    cuda_graphs: bool = False
+    cuda_graphs: Literal["auto", True, False] = "auto"
     """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
     launch overhead that dominates at small micro-batches. Every micro-batch is padded to
     packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
     or context parallelism and no activation checkpointing. The graph's activations stay
-    allocated between steps."""
-    keep_grad_logits: bool = False
+    allocated between steps (set false when memory is short). auto (the default): on exactly where
+    it can run (the conditions above), off elsewhere; true/false force it."""
+    keep_grad_logits: Literal["auto", True, False] = "auto"
     """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
     the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
-    and a 152k vocabulary)."""
-    fused_logprobs: bool = False
+    and a 152k vocabulary; divided by the tensor and context parallel degrees). auto (the
+    default): on unless activation_checkpointing (which asks for memory over speed); true/false
+    force it."""
+    fused_logprobs: Literal["auto", True, False] = "auto"
     """Make the logprob head's softmax work (logsumexp, label logprob, d logp / d logits) with
     compiled one-pass kernels over the bf16 logits instead of float32 chunk tensors. Same math,
-    another reduction order; no effect under tensor parallelism or with float32 weights."""
-    flex_expand_kv: bool = False
+    another reduction order; no effect under tensor parallelism (the learner's weights are always
+    bf16/fp16). auto (the default): on without tensor parallelism; true/false force it."""
+    flex_expand_kv: Literal["auto", True, False] = "auto"
     """attention=flex with grouped-query attention: repeat K/V to the query heads before
-    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch."""
+    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch. No
+    effect with attention sdpa/te or context parallelism (which has its own attention path).
+    auto (the default): on with attention=flex and no context parallelism; true/false force it."""
+
+    _auto: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FAST_OPTIONS:  # an explicit true/false stops following the layout; "auto" resumes
+            self._auto = self._auto - {name} if value != "auto" else self._auto | {name}
+        super().__setattr__(name, value)
+
+    @model_validator(mode="after")
+    def _resolve_auto(self) -> MegatronConfig:
+        # Resolved here, so the learner, --print-config and the run's config.json all show what runs.
+        self._auto = self._auto | {k for k in FAST_OPTIONS if getattr(self, k) == "auto"}
+        for name, on in resolve_fast_options(self).items():
+            if name in self._auto:
+                object.__setattr__(self, name, on)  # plain set: no re-validation from inside the validator
+        return self
+
+
+FAST_OPTIONS = ("cuda_graphs", "keep_grad_logits", "fused_logprobs", "flex_expand_kv")
+"""The `learner.megatron` speed options that default to ``auto``."""
+
+
+def resolve_fast_options(mcfg: MegatronConfig) -> dict[str, bool]:
+    """What ``auto`` means for each of :data:`FAST_OPTIONS` under ``mcfg``'s layout: on where it
+    can run and helps, off elsewhere (measured on 1x H100: bench/RESULTS.md, Megatron learner).
+
+    Example:
+        >>> resolve_fast_options(MegatronConfig(tensor_parallel_size=2))["cuda_graphs"]
+        False
+    """
+    single = mcfg.tensor_parallel_size == mcfg.pipeline_parallel_size == mcfg.context_parallel_size == 1
+    flex = mcfg.attention == "flex"
+    return {
+        "cuda_graphs": single and flex and not mcfg.activation_checkpointing,
+        "keep_grad_logits": not mcfg.activation_checkpointing,
+        "fused_logprobs": mcfg.tensor_parallel_size == 1,
+        "flex_expand_kv": flex and mcfg.context_parallel_size == 1,
+    }
 
 
 class LearnerConfig(Section):
@@ -282,12 +392,29 @@ class LearnerConfig(Section):
 class RefitConfig(Section):
     interval: int = Field(1, ge=1)
     """Learner steps between weight pushes to the engines."""
-    transport: Literal["object_store"] = "object_store"
-    """How weights reach the engines: through the Ray object store (works on CPU and across
-    nodes). NCCL broadcast and CUDA IPC need vLLM on the GPU machine, which it lacks today."""
+    transport: Literal["auto", "object_store", "cuda_ipc", "nccl"] = "auto"
+    """How weights reach the engines. object_store: CPU tensors through Ray's object store (CPU
+    engines, any placement); cuda_ipc: a CUDA IPC handle of one flat GPU buffer (engines and
+    learner on the same GPU, colocate.enabled); nccl: a broadcast from the learner's rank 0 to the
+    engines' workers in a process group of its own (engines on other GPUs or nodes; gloo on CPU).
+    auto: cuda_ipc when colocated on a GPU, nccl for GPU engines elsewhere, object_store on CPU."""
     mode: Literal["drain", "continue"] = "continue"
     """drain: wait for in-flight requests before swapping weights; continue: pause, swap, and
     resume them on the new weights (each token records the version that made it)."""
+
+
+class ColocateConfig(Section):
+    enabled: bool = False
+    """Engines and learner share the GPU(s): Ray places the learner's rank i and the engines in
+    shared GPU bundles (one GPU machine: both on the one GPU)."""
+    engine_sleep: bool = True
+    """While the learner steps, the engines drain their requests and release their weights and KV
+    cache (vLLM sleep mode), then wake with the new weights: the most memory for both, no overlap
+    of generation and training. false: both stay resident in a static split
+    (engine.gpu_memory_utilization for the engine), so generation and training overlap."""
+    learner_gpu_fraction: float = Field(0.5, gt=0, lt=1)
+    """The share of a GPU Ray books for each learner rank; engines book engine.num_gpus. The two
+    must fit on one GPU (Ray's bookkeeping only: real memory is set by gpu_memory_utilization)."""
 
 
 class TrainConfig(Section):
@@ -341,6 +468,13 @@ class ClusterConfig(Section):
     """Ray cluster to join; None starts a local one."""
     num_cpus: int | None = None
     """CPUs of the local Ray instance (None: all of the machine's)."""
+    runtime_env: dict[str, Any] = Field(default_factory=dict)
+    """Ray runtime environment of the run's actors (`working_dir`, `py_modules`, `pip`, `env_vars`,
+    ...: Ray's "Environment dependencies" guide), given to `ray.init` when agentrl starts or joins
+    Ray. A program that calls `ray.init` itself passes `Trainer(cfg).runtime_env` to it."""
+    ship_env_module: bool = True
+    """Add the package (or file) of env.id's `module:` part to `runtime_env.py_modules` unless it
+    is installed, so that nodes without the user's code import it."""
 
 
 class Config(Section):
@@ -358,6 +492,7 @@ class Config(Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
     packing: PackingConfig = Field(default_factory=PackingConfig)
     refit: RefitConfig = Field(default_factory=RefitConfig)
+    colocate: ColocateConfig = Field(default_factory=ColocateConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -383,13 +518,36 @@ class Config(Section):
                     ("attention", mc.attention == "flex")) if not ok]
                 if off:
                     raise ValueError(f"learner.megatron.cuda_graphs needs attention=flex, no tensor/pipeline/context "
-                                     f"parallelism and no activation checkpointing; got {', '.join(off)}")
+                                     f"parallelism and no activation checkpointing; got {', '.join(off)} "
+                                     "(auto, the default, turns it on only where it can run)")
+            idle = []  # auto never resolves to these: only a forced true lands here
+            if mc.fused_logprobs and mc.tensor_parallel_size > 1:
+                idle.append(f"fused_logprobs (tensor_parallel_size={mc.tensor_parallel_size})")
+            if mc.flex_expand_kv and (mc.attention != "flex" or mc.context_parallel_size > 1):
+                idle.append(f"flex_expand_kv (attention={mc.attention}, "
+                            f"context_parallel_size={mc.context_parallel_size})")
+            if idle:
+                warnings.warn(f"learner.megatron: {', '.join(idle)} set but without effect here", stacklevel=2)
             need = 2 * mc.context_parallel_size * (mc.tensor_parallel_size if mc.sequence_parallel else 1)
             if mc.context_parallel_size > 1 and self.packing.pad_multiple % need:
                 raise ValueError(
                     f"packing.pad_multiple ({self.packing.pad_multiple}) must be a multiple of {need} "
                     "(2 * context_parallel_size, times tensor_parallel_size with sequence_parallel)"
                 )
+        co = self.colocate
+        if co.enabled:
+            if self.learner.num_gpus < 1 or self.engine.num_gpus <= 0:
+                raise ValueError("colocate.enabled needs GPU engines and a GPU learner: set engine.num_gpus "
+                                 f"(e.g. 0.5) and learner.num_gpus >= 1 (given {self.engine.num_gpus} and "
+                                 f"{self.learner.num_gpus})")
+            if self.engine.num_gpus + co.learner_gpu_fraction > 1 + 1e-9:
+                raise ValueError(f"colocate: engine.num_gpus ({self.engine.num_gpus}) + colocate.learner_gpu_fraction "
+                                 f"({co.learner_gpu_fraction}) must fit on one GPU (<= 1)")
+        if self.refit.transport != "auto":
+            from agentrl.refit import resolve_transport
+
+            resolve_transport(self.refit.transport, engine_on_gpu=self.engine.num_gpus > 0,
+                              same_gpu=co.enabled and self.engine.num_gpus > 0)
         if self.rollout.max_total_tokens > self.engine.max_model_len:
             raise ValueError(
                 f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds "

@@ -20,20 +20,25 @@ class _LocalClient:
 
 async def run_episodes(model: str, env_id: str, num_episodes: int, seed_offset: int, temperature: float,
                        rollout_overrides: dict[str, Any]) -> list[Any]:
-    """The trajectories of ``num_episodes`` episodes (seeds ``seed_offset + k``) with one local engine."""
+    """The trajectories of ``num_episodes`` episodes (seeds ``seed_offset + k``) with one local engine;
+    tool calls are read by ``rollout_overrides["tool_parser"]`` (default auto: the model's family)."""
     import anyio
     import gymnasium as gym
     from transformers import AutoTokenizer
 
-    import agentrl.envs  # noqa: F401
     from agentrl.chat import ChatRenderer
     from agentrl.config import EngineConfig, RolloutConfig
     from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.env_ids import check_env
+    from agentrl.envs.base import set_tool_parser
     from agentrl.rollout import run_episode
+    from agentrl.tool_calls import build_tool_parser
 
-    gym.spec(env_id)  # unknown ids fail here, with gymnasium's suggestions
+    env_id = check_env(env_id, key="--env")  # unknown ids fail here, with gymnasium's suggestions
     cfg = RolloutConfig(**rollout_overrides)
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    renderer = ChatRenderer(tokenizer)
+    parser = build_tool_parser(cfg.tool_parser, model, tokenizer)
     engine = VLLMEngine(model, EngineConfig(max_model_len=max(2048, cfg.max_total_tokens)))
     await engine.start()
     client = _LocalClient(engine)
@@ -43,6 +48,7 @@ async def run_episodes(model: str, env_id: str, num_episodes: int, seed_offset: 
     async def one(k: int) -> None:
         async with limiter:
             env = gym.make(env_id)
+            set_tool_parser(env, parser)
             try:
                 trajs.append(await run_episode(env, renderer, client, seed=seed_offset + k, cfg=cfg,
                                                episode_id=f"eval-{k}", temperature=temperature))
@@ -71,6 +77,14 @@ def evaluate_model(model: str, env_id: str, *, num_episodes: int = 64, seed_offs
     """Evaluate ``model`` (HF directory) on ``num_episodes`` seeds of ``env_id`` starting at ``seed_offset``."""
     from pathlib import Path
 
+    from agentrl.config import ConfigError
+    from agentrl.env_ids import check_env
+    from agentrl.tool_calls import tool_parser_error
+
     if not (Path(model) / "config.json").is_file():
         raise FileNotFoundError(f"--model: '{model}' is not a Hugging Face model directory (no config.json)")
+    check_env(env_id, key="--env")  # before the engine starts
+    error = tool_parser_error(rollout_overrides.get("tool_parser", "auto"), key="--tool-parser")
+    if error is not None:
+        raise ConfigError(error)
     return asyncio.run(_evaluate(model, env_id, num_episodes, seed_offset, temperature, rollout_overrides))

@@ -43,7 +43,7 @@ class ISWeights(NamedTuple):
 
     Attributes:
         weights: Weight of every token; 0 off the loss mask and on dropped tokens.
-        kept: Loss tokens that keep a weight (False where a *_mask type dropped them).
+        kept: Loss tokens that keep a weight (False where a band type dropped them).
         truncated: Loss tokens whose weight was cut down to the cap.
     """
 
@@ -77,6 +77,16 @@ def _banded(log_w: torch.Tensor, mask: torch.Tensor, low: float, high: float) ->
     log_w = log_w.expand_as(mask)
     kept = mask & (log_w >= log_low) & (log_w <= math.log(high))
     return ISWeights(kept.to(log_w.dtype), kept, torch.zeros_like(mask))
+
+
+def _banded_ratio(
+    band_log_w: torch.Tensor, log_ratio: torch.Tensor, mask: torch.Tensor, cfg: ImportanceSamplingConfig
+) -> ISWeights:
+    # IcePop: the band decides what is kept; a kept token's weight is its own ratio, truncated.
+    kept = _banded(band_log_w, mask, cfg.low, cfg.high).kept
+    log_cap = math.log(cfg.cap)
+    weights = torch.where(kept, torch.exp(torch.clamp(log_ratio, max=log_cap)), 0.0)
+    return ISWeights(weights, kept, kept & (log_ratio > log_cap))
 
 
 def _no_correction(
@@ -115,13 +125,29 @@ def _seq_mask_geo(
     return _banded(_seq_mean(log_ratio, mask), mask, cfg.low, cfg.high)
 
 
+def _icepop(
+    log_ratio: torch.Tensor, mask: torch.Tensor, cfg: ImportanceSamplingConfig
+) -> ISWeights:
+    return _banded_ratio(log_ratio, log_ratio, mask, cfg)
+
+
+def _seq_icepop(
+    log_ratio: torch.Tensor, mask: torch.Tensor, cfg: ImportanceSamplingConfig
+) -> ISWeights:
+    return _banded_ratio(_seq_mean(log_ratio, mask), log_ratio, mask, cfg)
+
+
 IS_CORRECTIONS: dict[str, ISCorrection] = {
     "none": _no_correction,
     "token_tis": _token_tis,
     "seq_tis": _seq_tis,
     "seq_tis_geo": _seq_tis_geo,
+    # Rejection sampling: out of the band weight 0, kept tokens weight 1 ...
     "token_mask": _token_mask,
     "seq_mask_geo": _seq_mask_geo,
+    # ... IcePop: the same band, kept tokens weighted by their own ratio (truncated at the cap).
+    "icepop": _icepop,
+    "seq_icepop": _seq_icepop,
     # GSPO's policy ratio is itself sequence-level (see compute_policy_loss); the π_prox/μ gap is
     # corrected with the same sequence-level truncated geometric-mean weight as seq_tis_geo.
     "gspo": _seq_tis_geo,

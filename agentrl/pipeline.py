@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from agentrl.config import Config
@@ -9,9 +11,24 @@ from agentrl.config import Config
 __all__ = ["train"]
 
 
+def _explicit_ray_auth_mode(cfg: Config) -> None:
+    # Ray (2.5x) turns token authentication on for a new local cluster (the trainer starts one when
+    # cluster.address is None) and warns that it did, unless RAY_AUTH_MODE names the mode. Name the
+    # same secure mode, before Ray is imported (Ray reads it once, at import); a cluster joined by
+    # address keeps its own setting.
+    if cfg.cluster.address is None and "ray" not in sys.modules:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
 def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
+    _explicit_ray_auth_mode(cfg)
+    from agentrl.actors.runtime_env import build_runtime_env
+    from agentrl.env_ids import check_env
     from agentrl.trainer import Trainer, resolve_model_path
 
+    # Mistakes in the env or the runtime env fail here, before the model is made, SFT or Ray start.
+    check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)
+    build_runtime_env(cfg)
     model_path = resolve_model_path(cfg)
     summary: dict[str, Any] = {}
     if cfg.sft.enabled:

@@ -133,7 +133,7 @@ async def run_episode(
             start = len(ep.ids)
             ep.extend(out.token_ids, sampled=True, logprobs=out.logprobs, versions=out.versions)
             spans.append((start, len(ep.ids)))
-            ended = bool(out.token_ids) and out.token_ids[-1] == renderer.eos_token_id
+            ended = bool(out.token_ids) and out.token_ids[-1] in renderer.stop_token_ids
             if budget < cfg.max_new_tokens and not ended and len(out.token_ids) >= budget:
                 # Cut by the token limit, not by the per-turn cap: an unfinished action is never
                 # scored or run as if complete.
@@ -151,7 +151,7 @@ async def run_episode(
                 status, traj_info["truncated_by"] = "truncated", "turns"
                 break
             # Close an assistant turn that hit max_tokens, then the observation delta.
-            closing = [] if ended else [renderer.eos_token_id]
+            closing = [] if ended else [renderer.end_of_turn_id]
             delta = closing + renderer.observation_delta_ids(cap_tool_outputs(obs, renderer, cfg.max_observation_tokens))
             if len(ep.ids) + len(delta) >= limit:
                 status, traj_info["truncated_by"] = "truncated", "tokens"

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
     from agentrl.chat import ChatRenderer
     from agentrl.config import Config
+    from agentrl.tool_calls import ToolCallParser
 
 __all__ = ["build_demonstrations", "digit_tokens", "run_sft"]
 
@@ -39,17 +40,28 @@ def digit_tokens(tokenizer) -> "torch.Tensor":
 
 
 def build_demonstrations(
-    env_id: str, renderer: "ChatRenderer", seeds: list[int], env_kwargs: dict | None = None, **expert_kwargs
+    env_id: str, renderer: "ChatRenderer", seeds: list[int], env_kwargs: dict | None = None,
+    tool_parser: "ToolCallParser | None" = None, **expert_kwargs
 ) -> list[tuple[list[int], list[int]]]:
-    """(token ids, loss mask) of the expert's episodes on ``seeds``."""
+    """(token ids, loss mask) of the expert's episodes on ``seeds``; with ``tool_parser``, the
+    expert writes its calls in that parser's format and the env reads them with it."""
+    import inspect
+
     import gymnasium as gym
 
     import agentrl.envs  # noqa: F401
+    from agentrl.env_ids import import_env_module
+    from agentrl.envs.base import set_tool_parser
 
-    env = gym.make(env_id, **(env_kwargs or {}))
+    env = gym.make(import_env_module(env_id), **(env_kwargs or {}))
     expert = getattr(env.unwrapped, "expert", None)
     if expert is None:
         raise ValueError(f"{env_id} has no expert(seed) demonstrator; SFT needs one")
+    if tool_parser is not None and set_tool_parser(env, tool_parser):
+        if "tool_parser" not in inspect.signature(expert).parameters:
+            raise ValueError(f"{env_id}'s expert takes no tool_parser argument: it cannot write calls in the "
+                             f"{tool_parser.name} format (rollout.tool_parser)")
+        expert_kwargs = {**expert_kwargs, "tool_parser": tool_parser.name}
     if "env_kwargs" in inspect.signature(expert).parameters:  # its task depends on the env's settings
         expert_kwargs = {"env_kwargs": dict(env_kwargs or {}), **expert_kwargs}
     demos = []
@@ -58,7 +70,7 @@ def build_demonstrations(
         ids = renderer.prompt_ids(obs, info.get("tools"))
         mask = [0] * len(ids)
         for action in expert(seed, **expert_kwargs):
-            sampled = renderer.encode(action) + [renderer.eos_token_id]
+            sampled = renderer.encode(action) + [renderer.end_of_turn_id]
             ids += sampled
             mask += [1] * len(sampled)
             obs, _, terminated, truncated, _ = env.step(action)
@@ -73,8 +85,10 @@ def build_demonstrations(
 
 
 def _fingerprint(cfg: "Config", model_path: str) -> str:
-    blob = json.dumps({"sft": cfg.sft.model_dump(), "env": cfg.env.model_dump(), "model": model_path,
-                       "seed": cfg.seed}, sort_keys=True)
+    parts = {"sft": cfg.sft.model_dump(), "env": cfg.env.model_dump(), "model": model_path, "seed": cfg.seed}
+    if cfg.rollout.tool_parser != "auto":  # (absent when auto: caches made before the key existed stay valid)
+        parts["tool_parser"] = cfg.rollout.tool_parser
+    blob = json.dumps(parts, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -87,10 +101,14 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
 
     from agentrl.chat import ChatRenderer
     from agentrl.learners.hf_forward import packed_token_logprobs
-    from agentrl.learners.torch_learner import _TOKENIZER_FILES, load_hf_model
+    from agentrl.learners.torch_learner import _TOKENIZER_FILES, _to_device, load_hf_model
     from agentrl.packing import make_microbatches, pack_sequences
+    from agentrl.tool_calls import build_tool_parser
     from agentrl.trainer import resolve_model_path
 
+    from agentrl.env_ids import check_env
+
+    check_env(cfg.env.id, cfg.env.kwargs, need_expert=True)  # before the model loads
     sc = cfg.sft
     base = model_path or resolve_model_path(cfg)
     out = Path(sc.output_dir)
@@ -101,12 +119,17 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
         return out
 
     torch.manual_seed(cfg.seed)
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(base))
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    renderer = ChatRenderer(tokenizer)
+    parser = build_tool_parser(cfg.rollout.tool_parser, base, tokenizer)
     seeds = [sc.seed_offset + k for k in range(sc.num_demos)]
-    demos = build_demonstrations(cfg.env.id, renderer, seeds, {**cfg.env.kwargs, **sc.env_kwargs}, **sc.expert_kwargs)
-    model = load_hf_model(base, cfg.model.dtype)
+    demos = build_demonstrations(cfg.env.id, renderer, seeds, {**cfg.env.kwargs, **sc.env_kwargs}, parser, **sc.expert_kwargs)
+    # On a GPU machine (learner.num_gpus > 0) SFT runs on the GPU, in float32 weights (a tiny
+    # model: master precision costs nothing there); the engines cast to model.dtype on load.
+    device = torch.device("cuda" if torch.cuda.is_available() and cfg.learner.num_gpus else "cpu")
+    model = load_hf_model(base, cfg.model.dtype if device.type == "cpu" else "float32", device)
     model.train()
-    digits = digit_tokens(renderer.tokenizer)
+    digits = digit_tokens(renderer.tokenizer).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0, betas=(0.9, 0.98))
     lengths = [len(ids) for ids, _ in demos]
     batches = make_microbatches(lengths, max(sc.batch_tokens, max(lengths)), algorithm=cfg.packing.algorithm)[0]
@@ -119,7 +142,8 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     for epoch in range(sc.num_epochs):
         rng.shuffle(batches)
         for batch in batches:
-            packed = pack_sequences([demos[i][0] for i in batch], {"loss_mask": [demos[i][1] for i in batch]})
+            packed = _to_device(pack_sequences([demos[i][0] for i in batch], {"loss_mask": [demos[i][1] for i in batch]}),
+                                device)
             logp = packed_token_logprobs(model, packed, chunk_size=cfg.packing.logprob_chunk_size)
             weight = packed.fields["loss_mask"].reshape(-1).float()
             if sc.digit_loss_weight != 1.0:

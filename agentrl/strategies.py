@@ -14,6 +14,7 @@ from agentrl.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = [
     "AGGREGATIONS",
+    "BAND_TYPES",
     "IS_TYPES",
     "LossBatch",
     "LossFn",
@@ -25,7 +26,11 @@ __all__ = [
     "trajectory_groups",
 ]
 
-IS_TYPES = ("none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "gspo")
+IS_TYPES = (
+    "none", "token_tis", "seq_tis", "seq_tis_geo", "token_mask", "seq_mask_geo", "icepop", "seq_icepop", "gspo",
+)
+BAND_TYPES = ("token_mask", "seq_mask_geo", "icepop", "seq_icepop")
+"""IS types that drop what lies outside ``[low, high]`` (per token, or per sequence by its geometric mean)."""
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 

@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from agentrl.config import ImportanceSamplingConfig, LossConfig
 from agentrl.strategies import (  # public through this module too
     AGGREGATIONS,
+    BAND_TYPES,
     IS_TYPES,
     LossBatch,
     LossFn,
@@ -43,6 +44,7 @@ from agentrl.strategies import (  # public through this module too
 
 __all__ = [
     "AGGREGATIONS",
+    "BAND_TYPES",
     "IS_TYPES",
     "LossBatch",
     "LossFn",
@@ -119,6 +121,8 @@ def reference_is_weights(
             "gspo": [min(geo, cap)] * len(d),
             "token_mask": [1.0 if low <= _exp(x) <= high else 0.0 for x in d],
             "seq_mask_geo": [1.0 if low <= geo <= high else 0.0] * len(d),
+            "icepop": [min(_exp(x), cap) if low <= _exp(x) <= high else 0.0 for x in d],
+            "seq_icepop": [min(_exp(x), cap) if low <= geo <= high else 0.0 for x in d],
         }[cfg.type]
         for t, w in zip(idx, weights):
             out[i, t] = w
@@ -379,7 +383,7 @@ def assert_clipping(loss_fn: LossFn, batch: LossBatch, cfg: LossConfig) -> bool:
 def assert_importance_weights(loss_fn: LossFn, batch: LossBatch, cfg: LossConfig) -> bool:
     """With π_θ = π_prox (ratio 1, unclipped), token_mean, KL off, the gradient is ``-w·A/N``: the
     weights it implies must match :func:`reference_is_weights` (truncated at the cap, 0 exactly on
-    the out-of-band tokens or sequences of the *_mask types).
+    the out-of-band tokens or sequences of the BAND_TYPES).
 
     Returns:
         False (nothing checked) when a masked type's ratio lies within 1e-7 of ``low`` or ``high``.
@@ -388,9 +392,9 @@ def assert_importance_weights(loss_fn: LossFn, batch: LossBatch, cfg: LossConfig
     is_cfg = cfg.importance_sampling
     mask = batch.loss_mask
     batch = batch.replace(logprobs=batch.prox_logprobs)
-    if is_cfg.type in ("token_mask", "seq_mask_geo"):
+    if is_cfg.type in BAND_TYPES:
         d = torch.where(mask, batch.prox_logprobs - batch.behavior_logprobs, 0.0).to(torch.float64)
-        if is_cfg.type == "seq_mask_geo":
+        if is_cfg.type in ("seq_mask_geo", "seq_icepop"):
             d = (d.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)).expand(
                 mask.shape
             )

@@ -1,61 +1,57 @@
-"""`agentrl bootstrap-tiny DIR`: a tiny Qwen2-architecture model made on the spot.
+"""`agentrl bootstrap-tiny DIR --family F`: a tiny model of a family, made on the spot.
 
 Writes a Hugging Face model directory that vLLM and transformers both load: random weights
-(about 1M parameters), a byte-level BPE tokenizer trained here on a small synthetic corpus, and a
-Qwen/Hermes-style chat template with tool schemas and ``<tool_call>{json}</tool_call>``.
-Nothing is downloaded.
+(about 1M parameters) of the family's architecture (Qwen2, Qwen3, Llama, Mistral), a byte-level
+BPE tokenizer trained here on a small synthetic corpus with the family's special tokens, and a
+chat template in the family's format (:mod:`agentrl.tiny_templates`). Nothing is downloaded.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "bootstrap_tiny", "tiny_corpus"]
+from agentrl.tiny_templates import TEMPLATES
+from agentrl.tool_calls import FAMILY_TOOL_PARSERS, format_tool_call
 
-SPECIAL_TOKENS = [
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "<tool_call>",
-    "</tool_call>",
-    "<tool_response>",
-    "</tool_response>",
-]
+__all__ = ["FAMILIES", "Family", "bootstrap_tiny", "tiny_corpus", "tiny_family"]
 
-# Qwen2.5-style turns and tool calls; tool results come back as user turns wrapped in
-# <tool_response>. Every assistant turn ends with <|im_end|> (the EOS token), which chat.py relies on.
-# Tools are listed as one-line signatures rather than Qwen's full JSON schemas: a ~1M-parameter
-# model learns faster with a prompt of ~80 tokens than of ~250.
-CHAT_TEMPLATE = (
-    "{% if tools %}"
-    "<|im_start|>system\n"
-    "{% if messages[0].role == 'system' %}{{ messages[0].content }}\n\n{% endif %}"
-    "# Tools\nCall one as <tool_call>{\"name\": ..., \"arguments\": {...}}</tool_call>\n"
-    "{% for tool in tools %}{% set fn = tool.function if tool.function is defined else tool %}"
-    "- {{ fn.name }}({% for arg in (fn.parameters or {}).get('properties', {}) %}{{ arg }}"
-    "{% if not loop.last %}, {% endif %}{% endfor %}): {{ fn.description }}\n{% endfor %}<|im_end|>\n"
-    "{% elif messages[0].role == 'system' %}"
-    "<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n"
-    "{% endif %}"
-    "{% for message in messages %}"
-    "{% if message.role == 'system' %}"
-    "{% if not loop.first %}<|im_start|>system\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{% elif message.role == 'tool' %}"
-    "<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response><|im_end|>\n"
-    "{% elif message.role == 'assistant' %}"
-    "<|im_start|>assistant\n{{ message.content or '' }}"
-    "{% for call in message.tool_calls or [] %}"
-    "{% set fn = call.function if call.function is defined else call %}"
-    "<tool_call>\n{\"name\": \"{{ fn.name }}\", \"arguments\": {{ fn.arguments | tojson }}}\n</tool_call>"
-    "{% endfor %}<|im_end|>\n"
-    "{% else %}"
-    "<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+STAMP = "agentrl_tiny.json"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What a tiny model of one family is made of."""
+
+    architecture: str
+    """transformers config/model class prefix: Qwen2, Qwen3, Llama, Mistral."""
+    special_tokens: tuple[str, ...]
+    """Atomic tokens of the format; the first is padding."""
+    eos: str
+    """The tokenizer's EOS token."""
+    stop: tuple[str, ...]
+    """Tokens generation stops at (generation_config eos_token_id)."""
+    bos: str | None = None
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2": Family("Qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                              "<tool_response>", "</tool_response>"), "<|im_end|>", ("<|im_end|>",)),
+    "qwen3": Family("Qwen3", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+                              "<tool_response>", "</tool_response>", "<think>", "</think>"),
+                    "<|im_end|>", ("<|im_end|>", "<|endoftext|>")),
+    # Llama 3's tokenizer EOS is <|end_of_text|>; chat turns end in <|eot_id|> (and <|eom_id|> when
+    # the model waits for a built-in tool): generation stops at all three, as Llama's own config says.
+    "llama3": Family("Llama", ("<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|end_of_text|>",
+                               "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|eom_id|>",
+                               "<|python_tag|>"), "<|end_of_text|>",
+                     ("<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"), bos="<|begin_of_text|>"),
+    "mistral": Family("Mistral", ("<pad>", "<s>", "</s>", "[INST]", "[/INST]", "[AVAILABLE_TOOLS]",
+                                  "[/AVAILABLE_TOOLS]", "[TOOL_CALLS]", "[ARGS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]",
+                                  "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]"), "</s>", ("</s>",), bos="<s>"),
+}
 
 _WORDS = (
     "the a an and of to in is has have had buys sells gives gets more fewer each every how many much "
@@ -67,8 +63,10 @@ _WORDS = (
 ).split()
 
 
-def tiny_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
-    """Synthetic training text for the tokenizer: words, numbers, arithmetic and tool-call JSON."""
+def tiny_corpus(num_lines: int = 4000, seed: int = 0, family: str = "qwen2") -> list[str]:
+    """Synthetic training text for the tokenizer: words, numbers, arithmetic and tool calls in the
+    family's format."""
+    parser = FAMILY_TOOL_PARSERS[family]
     rng = random.Random(seed)
     lines = []
     for i in range(num_lines):
@@ -76,10 +74,9 @@ def tiny_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
         a, b = rng.randint(0, 999), rng.randint(0, 999)
         op = rng.choice("+-*/")
         expr = f"{a} {op} {b}"
-        call = json.dumps({"name": rng.choice(["calculate", "search", "open", "ls", "read"]),
-                           "arguments": {"expression": expr}})
+        call = format_tool_call(rng.choice(["calculate", "search", "open", "ls", "read"]), {"expression": expr}, parser)
         lines.append(f"{words.capitalize()} {a} and {b}? The answer is {a + b}.")
-        lines.append(f"<tool_call>\n{call}\n</tool_call>")
+        lines.append(call)
         if i % 10 == 0:
             lines.append(json.dumps({"type": "function", "function": {"name": "calculate",
                          "description": "Evaluate an arithmetic expression.", "parameters": {
@@ -88,7 +85,7 @@ def tiny_corpus(num_lines: int = 4000, seed: int = 0) -> list[str]:
     return lines
 
 
-def _train_tokenizer(vocab_size: int, corpus: list[str]):
+def _train_tokenizer(vocab_size: int, corpus: list[str], family: Family, template: str):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -100,24 +97,27 @@ def _train_tokenizer(vocab_size: int, corpus: list[str]):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=list(family.special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
+    extra = [t for t in family.special_tokens[1:] if t not in (family.eos, family.bos)]
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        additional_special_tokens=SPECIAL_TOKENS[3:],
+        eos_token=family.eos,
+        pad_token=family.special_tokens[0],
+        bos_token=family.bos,
+        additional_special_tokens=extra,
     )
-    hf.chat_template = CHAT_TEMPLATE
+    hf.chat_template = template
     return hf
 
 
 def bootstrap_tiny(
     out_dir: str | Path,
     *,
+    family: str = "qwen2",
     vocab_size: int = 1024,
     hidden_size: int = 128,
     num_layers: int = 4,
@@ -129,42 +129,71 @@ def bootstrap_tiny(
     seed: int = 0,
     corpus: list[str] | None = None,
 ) -> Path:
-    """Write a tiny random Qwen2 model, tokenizer and chat template to ``out_dir``.
+    """Write a tiny random model of ``family`` (qwen2, qwen3, llama3, mistral), its tokenizer and
+    chat template to ``out_dir``.
 
     ``max_position_embeddings`` is the context the model (and vLLM serving it) accepts; for long
     contexts a larger ``rope_theta`` keeps some rotary dimensions nearly still over the whole
     window, so attention can match content at any distance.
 
     Example:
-        >>> path = bootstrap_tiny("/tmp/tiny")  # doctest: +SKIP
+        >>> path = bootstrap_tiny("/tmp/tiny-llama3", family="llama3")  # doctest: +SKIP
         >>> from transformers import AutoModelForCausalLM
         >>> AutoModelForCausalLM.from_pretrained(path).num_parameters() < 10_000_000  # doctest: +SKIP
         True
-    """
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
+    Raises:
+        ValueError: an unknown family.
+    """
+    if family not in FAMILIES:
+        import difflib
+
+        close = difflib.get_close_matches(family, list(FAMILIES), n=1)
+        hint = f" Did you mean '{close[0]}'?" if close else ""
+        raise ValueError(f"unknown model family {family!r}.{hint} Known: {', '.join(FAMILIES)}")
+    import torch
+    import transformers
+
+    spec = FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size, corpus or tiny_corpus(seed=seed))
+    tokenizer = _train_tokenizer(vocab_size, corpus or tiny_corpus(seed=seed, family=family), spec, TEMPLATES[family])
     tokenizer.save_pretrained(out)
-    config = Qwen2Config(
+    stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in spec.stop]
+    config_cls = getattr(transformers, f"{spec.architecture}Config")
+    model_cls = getattr(transformers, f"{spec.architecture}ForCausalLM")
+    config = config_cls(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
         intermediate_size=intermediate_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,
         num_key_value_heads=num_kv_heads,
+        head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
         rope_theta=float(rope_theta),
         tie_word_embeddings=True,
-        bos_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id if spec.bos else tokenizer.pad_token_id,
+        eos_token_id=stop_ids if len(stop_ids) > 1 else stop_ids[0],
         pad_token_id=tokenizer.pad_token_id,
         torch_dtype="float32",
     )
+    if family == "mistral":
+        config.sliding_window = None
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model = model_cls(config)
+    model.generation_config.eos_token_id = stop_ids if len(stop_ids) > 1 else stop_ids[0]
+    model.generation_config.bos_token_id = config.bos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.save_pretrained(out, safe_serialization=True)
+    (out / STAMP).write_text(json.dumps({"family": family, "seed": seed}))
     return out
+
+
+def tiny_family(path: str | Path) -> str | None:
+    """The family of a tiny model made by :func:`bootstrap_tiny` at ``path`` (None: not one, or one
+    made before families existed, which were all qwen2)."""
+    stamp = Path(path) / STAMP
+    if stamp.is_file():
+        return json.loads(stamp.read_text()).get("family")
+    return None

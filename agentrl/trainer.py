@@ -13,6 +13,8 @@ import os
 import pickle
 import shutil
 import time
+import uuid
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ import ray
 
 from agentrl.config import Config, ConfigError
 from agentrl.metrics import MetricsLogger
+from agentrl.refit import resolve_transport
 from agentrl.rollout import summarize
 
 __all__ = ["Trainer", "resolve_model_path"]
@@ -34,12 +37,20 @@ def resolve_model_path(cfg: Config) -> str:
         if cfg.model.bootstrap_tiny:
             from agentrl.tiny import bootstrap_tiny
 
-            bootstrap_tiny(path, seed=cfg.seed, **cfg.model.tiny_kwargs)
+            bootstrap_tiny(path, seed=cfg.seed, family=cfg.model.family, **cfg.model.tiny.model_dump())
         else:
             raise ConfigError(
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json). "
                 "Point it at a local checkpoint, or set model.bootstrap_tiny=true to create a tiny model there."
             )
+    elif cfg.model.bootstrap_tiny:
+        from agentrl.tiny import tiny_family
+
+        made = tiny_family(path)
+        if made is not None and made != cfg.model.family:
+            raise ConfigError(f"model.family: {cfg.model.family!r}, but model.path '{path}' holds a tiny {made!r} "
+                              "model made earlier; point model.path at another directory (e.g. "
+                              f"model.path=.cache/tiny-{cfg.model.family})")
     return str(path)
 
 
@@ -53,7 +64,12 @@ class Trainer:
     """
 
     def __init__(self, cfg: Config, *, model_path: str | None = None, resume: bool = False, progress: bool = True) -> None:
+        from agentrl.actors.runtime_env import build_runtime_env
+        from agentrl.env_ids import check_env
+
         self.cfg = cfg
+        check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
+        self.runtime_env = build_runtime_env(cfg)
         self.model_path = model_path or resolve_model_path(cfg)
         self.resume = resume
         self.progress = progress
@@ -66,6 +82,9 @@ class Trainer:
         self._refit_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-refit")
         self._refit_future: Future[float] | None = None
         self._last_refit_s = 0.0
+        self.transport = "object_store"
+        self.sleeping_engines = False
+        self.gpu_memory: dict[str, Any] = {}
 
     # -- actors -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -79,28 +98,53 @@ class Trainer:
         cfg = self.cfg
         if not ray.is_initialized():
             ray.init(
-                address=cfg.cluster.address,
+                # None starts a local cluster, as cluster.address promises: Ray would otherwise join
+                # whatever cluster `ray start` last left on this machine (RAY_ADDRESS included).
+                address=cfg.cluster.address or "local",
                 num_cpus=cfg.cluster.num_cpus if cfg.cluster.address is None else None,
                 include_dashboard=False,
                 log_to_driver=os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
                 configure_logging=False,
+                runtime_env=self.runtime_env or None,
             )
+        elif cfg.cluster.runtime_env:  # Ray takes local paths at the job level only: ray.init's
+            warnings.warn("cluster.runtime_env has no effect: Ray was initialized before the Trainer started; "
+                          "pass runtime_env=trainer.runtime_env to ray.init instead", stacklevel=2)
         # The replay queue (and the staged weights) lives on the driver's node: it holds the run's
         # in-flight state, and a node that holds an engine may go away (tests/test_cluster.py).
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        self.replay = ReplayActor.options(num_cpus=0, scheduling_strategy=here).remote(
+        replay_name = f"agentrl-replay-{uuid.uuid4().hex[:12]}"  # engines find it by name (actors/engine.py)
+        self.replay = ReplayActor.options(num_cpus=0, scheduling_strategy=here, name=replay_name).remote(
             cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step,
             wait_for_stragglers=cfg.replay.wait_for_stragglers,
         )
+        co = cfg.colocate
+        self.transport = resolve_transport(cfg.refit.transport, engine_on_gpu=cfg.engine.num_gpus > 0,
+                                           same_gpu=co.enabled and cfg.engine.num_gpus > 0)
+        self.sleeping_engines = co.enabled and co.engine_sleep
         self.engines = [
             EngineActor.options(
                 num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus, resources=cfg.engine.resources,
                 max_restarts=-1, max_task_retries=0,
-            ).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=self.replay)
+            ).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
+                     enable_sleep_mode=self.sleeping_engines)
             for i in range(cfg.engine.num_engines)
         ]
-        self.learner = LearnerGroup(cfg, self.model_path)
-        ray.get([e.start.remote() for e in self.engines])
+        if co.enabled:
+            # vLLM sizes its KV cache from the memory it sees at start: engines first, then the
+            # learner (while sleeping engines hold only their CUDA context), then the engines wake.
+            ray.get([e.start.remote() for e in self.engines])
+            if self.sleeping_engines:
+                ray.get([e.sleep.remote(1) for e in self.engines])
+            self.learner = LearnerGroup(cfg, self.model_path)
+            self.gpu_memory["learner_built"] = ray.get(self.learner.free_memory.remote())
+            if self.sleeping_engines:
+                ray.get([e.wake_up.remote() for e in self.engines])
+        else:
+            self.learner = LearnerGroup(cfg, self.model_path)
+            ray.get([e.start.remote() for e in self.engines])
+        if self.transport == "nccl":
+            self._init_weight_group()
         if self.resume:
             self._restore()
         self.rollouts = [
@@ -111,22 +155,59 @@ class Trainer:
         ray.get([r.node_id.remote() for r in self.rollouts])  # constructed (tokenizer, env checked)
         self.actors_started = True
 
+    def _init_weight_group(self) -> None:
+        """The nccl transport's process group: the learner's rank 0 and one rank per engine worker
+        (engines with tensor parallelism > 1 are not supported by this transport yet)."""
+        from agentrl.actors.learner import _address
+
+        world = 1 + len(self.engines)
+        host, port = ray.get(_address.options(scheduling_strategy=self._learner_node()).remote())
+        backend = "nccl" if self.cfg.engine.num_gpus > 0 else "gloo"
+        refs = [self.learner.init_weight_group.remote(host, port, world)]
+        refs += [e.init_weight_group.remote(host, port, 1 + i, world, backend) for i, e in enumerate(self.engines)]
+        ray.get(refs)
+
+    def _learner_node(self):
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node_id=ray.get(self.learner.node_id.remote()), soft=False)
+
     def refit(self) -> float:
         """Push the learner's weights to every engine and wait for them; returns seconds taken."""
         self._wait_refit()
-        return self._refit_engines(self.learner.export_weights.remote(), self.version)
+        return self._refit_engines(self._export(), self.version)
 
-    def _refit_engines(self, weights: Any, version: int) -> float:
-        """Stage ``weights`` (an ObjectRef: stored once, read by each engine) in the replay actor,
-        load them into every engine, then open admission at ``version``."""
+    def _export(self) -> Any:
+        """Queue the learner's weight export for a refit (before its next step: actor calls from
+        one caller run in order); for nccl the broadcast is queued right behind it, so the
+        engines never wait for a training step to receive."""
+        payload = self.learner.export_for_refit.remote(self.transport)
+        if self.transport == "nccl":
+            self._broadcast_ref = self.learner.broadcast_weights.remote()
+        return payload
+
+    def _refit_engines(self, payload: Any, version: int) -> float:
+        """Load the exported weights into every engine, then open admission at ``version``.
+
+        object_store: the weights (an ObjectRef: stored once, read by each engine) are staged in
+        the replay actor too, so an engine that restarts catches up from them. GPU transports send
+        a small payload (a CUDA IPC handle, or the layout of the broadcast); the learner drops its
+        flat buffer once every engine has loaded."""
         t0 = time.perf_counter()
-        ray.get(self.replay.stage_weights.remote(version, [weights]))
-        for ref in [e.update_weights.remote(weights, version, self.cfg.refit.mode) for e in self.engines]:
+        if self.transport == "object_store":
+            ray.get(self.replay.stage_weights.remote(version, [payload]))
+        else:
+            payload = ray.get(payload)
+        for ref in [e.update_weights.remote(payload, version, self.cfg.refit.mode) for e in self.engines]:
             try:
                 ray.get(ref)
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
                 # The engine died or is restarting; it loads the staged weights before its next request.
                 self.engines_unavailable_at_refit += 1
+        if self.transport != "object_store":
+            if self.transport == "nccl":
+                ray.get(self._broadcast_ref)
+            ray.get(self.learner.release_refit.remote())
         ray.get(self.replay.set_weights_version.remote(version))
         return time.perf_counter() - t0
 
@@ -137,8 +218,8 @@ class Trainer:
         engines' weight load instead of waiting for it; admission opens at the new version only
         once every engine serves it, so the staleness bound is unchanged."""
         waited = self._wait_refit()
-        weights = self.learner.export_weights.remote()
-        self._refit_future = self._refit_pool.submit(self._refit_engines, weights, self.version)
+        payload = self._export()
+        self._refit_future = self._refit_pool.submit(self._refit_engines, payload, self.version)
         return waited
 
     def _wait_refit(self) -> float:
@@ -147,6 +228,18 @@ class Trainer:
         future, self._refit_future = self._refit_future, None
         if future is not None:
             self._last_refit_s = future.result()
+        return time.perf_counter() - t0
+
+    def _sleep_engines(self, level: int) -> float:
+        """Colocated: engines drain and release their GPU memory before the learner steps."""
+        t0 = time.perf_counter()
+        ray.get([e.sleep.remote(level) for e in self.engines])
+        return time.perf_counter() - t0
+
+    def _wake_engines(self) -> float:
+        t0 = time.perf_counter()
+        ray.get(self.learner.free_memory.remote())
+        ray.get([e.wake_up.remote() for e in self.engines])
         return time.perf_counter() - t0
 
     def evaluate(self, label: str) -> dict[str, float]:
@@ -222,11 +315,26 @@ class Trainer:
                 t0 = time.perf_counter()
                 groups = ray.get(self.replay.take.remote(cfg.replay.groups_per_step, self.version))
                 t1 = time.perf_counter()
+                refit_due = (self.version + 1) % cfg.refit.interval == 0
+                sleep_s = self._sleep_engines(level=2 if refit_due else 1) if self.sleeping_engines else 0.0
+                t1b = time.perf_counter()
                 metrics = ray.get(self.learner.train_step.remote(groups))
                 t2 = time.perf_counter()
                 self.version += 1
                 self.step += 1
-                refit_wait_s = self._start_refit() if self.version % cfg.refit.interval == 0 else 0.0
+                if self.sleeping_engines:
+                    # Colocated: nothing generates while the learner steps; wake with new weights.
+                    refit_wait_s = 0.0
+                    # What the learner still holds when the engines wake (its step's cache returned).
+                    mem = ray.get(self.learner.free_memory.remote())
+                    metrics.update({f"memory/learner_{k}": v for k, v in mem.items()})
+                    if refit_due:
+                        self._last_refit_s = self.refit()
+                    else:
+                        self._last_refit_s = self._wake_engines()
+                    metrics["timing/engine_sleep"] = sleep_s
+                else:
+                    refit_wait_s = self._start_refit() if refit_due else 0.0
                 trajs = [t for g in groups for t in g.trajectories]
                 staleness = [self.version - 1 - t.min_version for t in trajs if t.num_sampled_tokens]
                 versions = [v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m]
@@ -238,7 +346,7 @@ class Trainer:
                     "replay/token_version_min": float(min(versions, default=-1)),
                     "replay/token_version_max": float(max(versions, default=-1)),
                     "timing/waiting": t1 - t0,
-                    "timing/learner_step": t2 - t1,
+                    "timing/learner_step": t2 - t1b,
                     # the refit runs beside the next step: its last duration, and how long the loop
                     # waited for it before starting the following one
                     "timing/refit": self._last_refit_s,

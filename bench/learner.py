@@ -20,7 +20,11 @@ the optimizer step is amortized over many micro-batches and left out) on a packe
 MFU counts 6*N + 6*L*h*s FLOPs per token (N all parameters, tied embedding once; s the document
 length) against 796 TFLOP/s, the measured bf16 matmul peak of the H100.
 
-Usage: ``torchrun --nproc-per-node 1 bench/learner.py [--out results.json]``
+``megatron/default`` (``--variants default``) is a learner built from the default config at each
+case's micro-batch size, so it measures what the ``auto`` fast options resolve to (all four on one
+GPU): the figure a user gets without setting anything.
+
+Usage: ``torchrun --nproc-per-node 1 bench/learner.py [--out results.json] [--variants default,...]``
 """
 
 from __future__ import annotations
@@ -129,15 +133,26 @@ def _grad_norm(learner) -> float:
     return float(torch.sqrt(sum(b.grad_data.float().pow(2).sum() for b in learner.ddp.buffers)))
 
 
+def default_config(tokens: int):
+    """The run config of ``megatron/default``: everything at its default but what a 1-GPU
+    Megatron run at this micro-batch size must set (the fast options stay ``auto``)."""
+    from agentrl.config import load_config
+
+    return load_config(None, ["learner.backend=megatron", "learner.num_gpus=1", f"packing.max_tokens_per_microbatch={tokens}",
+                              "rollout.max_total_tokens=4096", "engine.max_model_len=4096"])
+
+
 def _build_megatron(grad_fp32: bool, state: dict | None):
     from transformers import Qwen2Config
 
-    from agentrl.config import load_config
+    from agentrl.config import FAST_OPTIONS, load_config
     from agentrl.learners.megatron.learner import MegatronLearner
 
+    # The named variants switch the fast options on the built model themselves: build with all off.
     cfg = load_config(None, ["learner.backend=megatron", "learner.num_gpus=1", "model.dtype=bfloat16",
                              "packing.max_tokens_per_microbatch=16384", "rollout.max_total_tokens=4096",
-                             "engine.max_model_len=4096", f"learner.megatron.grad_reduce_in_fp32={grad_fp32}"])
+                             "engine.max_model_len=4096", f"learner.megatron.grad_reduce_in_fp32={grad_fp32}",
+                             *(f"learner.megatron.{k}=false" for k in FAST_OPTIONS)])
     learner = MegatronLearner(cfg, hf_config=Qwen2Config(**QWEN25_15B))
     if state is not None:  # the same weights in every learner of the run
         learner.model.load_state_dict(state)
@@ -212,6 +227,9 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
     ref: dict = {}
     for variant in variants:
         try:
+            if variant == "default":
+                _bench_default(box, ref, rows, checks, iters, write)
+                continue
             _bench_variant(box, ref, rows, checks, iters, variant,
                            profile_path if variant == variants[-1] else None, write)
         except Exception as e:  # noqa: BLE001 -- record it, go on with the next variant
@@ -241,9 +259,71 @@ def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: l
         checks.append({"check": "compiled_graphs", "error": repr(e)[:500]})
 
 
+def _free(box: dict) -> None:
+    learner = box["learner"]
+    if learner is not None and learner.graphs is not None:
+        learner.graphs.reset()
+    box["learner"] = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def _time_case(learner, ref, rows, checks, iters, backend, case, n, write):
+    """Time forward + backward of the logprob objective on one packed case; record agreement.
+    Returns the timed step (for the profiler)."""
+    from agentrl.packing import pack_sequences
+
+    packed = pack_sequences(_docs(n, 1))
+
+    def step(packed=packed, learner=learner) -> torch.Tensor:
+        mb = learner._microbatch(packed)
+        out = learner.ddp(mb.input_ids, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.params)
+        lp = learner._token_logprobs(mb, out)
+        lp.sum().backward()
+        return lp
+
+    step()  # first call: compiles, and captures graphs (whose warm-up passes may add to main_grad)
+    learner.ddp.zero_grad_buffer()  # agreement: logprobs and grad norm of one pass from zero grads
+    lp = step().detach()
+    check = {"backend": backend, "case": case, "lp_sum": float(lp.sum()), "grad_norm": _grad_norm(learner)}
+    if case in ref:
+        check["lp_max_diff_vs_first"] = float((lp - ref[case]).abs().max())
+    else:
+        ref[case] = lp
+    checks.append(check)
+    rows.append({"backend": backend, "case": case, "tokens": n * DOC, "s": _time(step, iters)})
+    learner.ddp.zero_grad_buffer()
+    print(_stamp(), rows[-1], check, flush=True)
+    write()
+    return step
+
+
+def _bench_default(box, ref, rows, checks, iters, write) -> None:
+    """``megatron/default``: a learner built from the default config per case (micro-batch budget
+    = the case's tokens, as under CUDA graphs every micro-batch is padded to the budget), so the
+    row measures whatever the ``auto`` options resolve to, as a user gets it."""
+    from transformers import Qwen2Config
+
+    from agentrl.config import FAST_OPTIONS
+    from agentrl.learners.megatron.learner import MegatronLearner
+
+    _free(box)
+    for case, n in CASES.items():
+        cfg = default_config(n * DOC)
+        options = {k: getattr(cfg.learner.megatron, k) for k in FAST_OPTIONS}
+        learner = MegatronLearner(cfg, hf_config=Qwen2Config(**QWEN25_15B))
+        if box["state"] is not None:  # the same weights as the other variants
+            learner.model.load_state_dict(box["state"])
+        print(_stamp(), "built megatron learner from the default config:", options, flush=True)
+        checks.append({"backend": "megatron/default", "case": case, "resolved": options})
+        _time_case(learner, ref, rows, checks, iters, "megatron/default", case, n, write)
+        box["learner"] = learner
+        del learner
+        _free(box)  # before the next case's learner is built
+
+
 def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) -> None:
     from agentrl.learners.megatron.graphs import DecoderGraphs
-    from agentrl.packing import pack_sequences
 
     attention, *options = variant.split("+")
     grad_fp32 = "bf16grad" not in options
@@ -276,29 +356,7 @@ def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) 
     for layer in learner.model.decoder.layers:
         layer.self_attention.core_attention.backend = attention
     for case, n in CASES.items():
-        packed = pack_sequences(_docs(n, 1))
-
-        def step(packed=packed, learner=learner) -> torch.Tensor:
-            mb = learner._microbatch(packed)
-            out = learner.ddp(mb.input_ids, mb.position_ids, None, labels=mb.labels, packed_seq_params=mb.params)
-            lp = learner._token_logprobs(mb, out)
-            lp.sum().backward()
-            return lp
-
-        step()  # first call: compiles, and captures graphs (whose warm-up passes may add to main_grad)
-        learner.ddp.zero_grad_buffer()  # agreement: logprobs and grad norm of one pass from zero grads
-        lp = step().detach()
-        check = {"backend": f"megatron/{variant}", "case": case, "lp_sum": float(lp.sum()),
-                 "grad_norm": _grad_norm(learner)}
-        if case in ref:
-            check["lp_max_diff_vs_first"] = float((lp - ref[case]).abs().max())
-        else:
-            ref[case] = lp
-        checks.append(check)
-        rows.append({"backend": f"megatron/{variant}", "case": case, "tokens": n * DOC, "s": _time(step, iters)})
-        learner.ddp.zero_grad_buffer()
-        print(_stamp(), rows[-1], check, flush=True)
-        write()
+        step = _time_case(learner, ref, rows, checks, iters, f"megatron/{variant}", case, n, write)
         if profile_path and case == "4k":
             _profile(step, profile_path)
 
@@ -313,7 +371,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=8)
     ap.add_argument("--variants", default="flex+keep,flex+keep+fhead,flex+keep+graphs+bf16grad+kvrep,"
                     "flex+keep+graphs+bf16grad+kvrep+fhead,flex+keep+graphs+kvrep,flex+keep+graphs+kvrep+fhead",
-                    help="Megatron variants: core attention (flex, sdpa) and options: '+keep' keeps d logp/d logits "
+                    help="Megatron variants: 'default' (a learner from the default config, fast options auto, one "
+                         "per case), or core attention (flex, sdpa) and options: '+keep' keeps d logp/d logits "
                          "(no recompute), '+graphs' replays the decoder as CUDA graphs, '+bf16grad' "
                          "learner.megatron.grad_reduce_in_fp32=false, "
                          "'+kvrep' K/V repeated to the query heads before FlexAttention, '+fhead' fused (compiled) "

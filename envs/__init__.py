@@ -18,13 +18,14 @@ from agentrl.envs.calculator import CalculatorEnv
 from agentrl.envs.file_navigator import FileNavigatorEnv
 from agentrl.envs.long_recall import LongRecallEnv
 from agentrl.envs.python_sandbox import PythonSandboxEnv
-from agentrl.envs.sandbox import SandboxLimits, SandboxResult, run_sandboxed
+from agentrl.envs.sandbox import BwrapUnavailableError, SandboxLimits, SandboxResult, run_sandboxed
 from agentrl.envs.search import SearchEnv
 from agentrl.envs.tools import ToolTimeoutError, tool
 from agentrl.envs.wordle import WordleEnv
 
 __all__ = [
     "BUILTIN_ENV_IDS",
+    "BwrapUnavailableError",
     "MAX_ACTION_CHARS",
     "CalculatorEnv",
     "ChatMessages",

@@ -1,15 +1,16 @@
-"""Entry point of a sandbox process (run as ``python -I -S _sandbox_child.py CONFIG_JSON``).
+"""Entry point of a sandbox process (run as ``python -I -S _sandbox_child.py CONFIG``).
 
-Applies resource limits, installs an audit hook (no process creation, no sockets, no writes outside
-the working directory, no reads outside it and the Python installation, no blocked imports), then
-runs ``main.py`` from the working directory.
-Only the standard library is used; nothing here is imported by agentrl itself.
+Applies resource limits, installs the audit hook unless the config turns it off (no process creation,
+no sockets, no writes outside the working directory, no reads outside it and the Python installation, no
+blocked imports), then runs ``main.py`` from the working directory. Under the bwrap backend the hook is
+a second layer that gives clear messages; the boundary is the kernel's (see ``_bwrap.py``).
+Only the standard library is used, and little of it (start-up time is most of a short run's cost: no
+``json``, ``traceback`` only after an error); nothing here is imported by agentrl itself.
+CONFIG is ``name=value`` pairs joined by ``;`` (see ``encode_config`` in ``sandbox.py``).
 """
 
-import json
 import os
 import sys
-import traceback
 
 _SPAWN_EVENTS = frozenset({
     "os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.exec", "os.system", "os.kill", "os.killpg",
@@ -26,13 +27,36 @@ _PATH_EVENTS = {
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
 
 
+def _parse_config(text: str) -> dict:
+    config = {}
+    for item in text.split(";"):
+        name, _, value = item.partition("=")
+        if name == "blocked_modules":
+            config[name] = [m for m in value.split(",") if m]
+        else:
+            config[name] = int(value) if value else None
+    return config
+
+
+def _report(exc: BaseException) -> None:
+    """A traceback of the user's frames only (not this file's)."""
+    try:
+        import traceback
+    except BaseException:  # e.g. no memory left: the exception alone still says what happened
+        sys.stderr.write(f"{type(exc).__name__}: {exc}\n")
+        return
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
+    lines = traceback.format_list(frames) + traceback.format_exception_only(type(exc), exc)
+    sys.stderr.write(("Traceback (most recent call last):\n" if frames else "") + "".join(lines))
+
+
 def _apply_limits(config: dict) -> None:
     import resource
 
     mib = 1 << 20
     for name, value in (("RLIMIT_CPU", config["cpu_time_s"]), ("RLIMIT_AS", config["memory_mb"] * mib),
                         ("RLIMIT_FSIZE", config["max_file_bytes"]), ("RLIMIT_CORE", 0),
-                        ("RLIMIT_NPROC", config["nproc"])):
+                        ("RLIMIT_NPROC", config["nproc"]), ("RLIMIT_NOFILE", config.get("max_open_files"))):
         if value is not None:
             resource.setrlimit(getattr(resource, name), (value, value))
     del sys.modules["resource"]  # a later `import resource` goes through the audit hook
@@ -79,11 +103,12 @@ def _install_hook(root: str, blocked_modules: frozenset) -> None:
 
 
 def main() -> None:
-    config = json.loads(sys.argv[1])
+    config = _parse_config(sys.argv[1])
     _apply_limits(config)
     with open("main.py", encoding="utf-8") as f:
         source = f.read()
-    _install_hook(os.path.realpath(os.getcwd()), frozenset(config["blocked_modules"]))
+    if config.get("hook", 1):
+        _install_hook(os.path.realpath(os.getcwd()), frozenset(config["blocked_modules"]))
     sys.stdout.reconfigure(line_buffering=True)  # what was printed survives a kill
     namespace = {"__name__": "__main__", "__builtins__": __builtins__}
     try:
@@ -91,9 +116,7 @@ def main() -> None:
     except SystemExit:
         raise
     except BaseException as exc:
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename != __file__]
-        lines = traceback.format_list(frames) + traceback.format_exception_only(type(exc), exc)
-        sys.stderr.write(("Traceback (most recent call last):\n" if frames else "") + "".join(lines))
+        _report(exc)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)

@@ -24,7 +24,7 @@ import anyio
 import gymnasium
 from gymnasium import spaces
 
-from agentrl.chat import TOOL_CALL_RE, ToolCall, parse_tool_calls
+from agentrl.tool_calls import DEFAULT_TOOL_PARSER, ToolCall, ToolCallParser, tool_parser_error
 from agentrl.envs.tools import (
     SCHEMA_ATTR,
     ToolTimeoutError,
@@ -33,7 +33,7 @@ from agentrl.envs.tools import (
     validate_arguments,
 )
 
-__all__ = ["MAX_ACTION_CHARS", "ChatMessages", "Message", "TextEnv", "ToolEnv", "Turn"]
+__all__ = ["MAX_ACTION_CHARS", "ChatMessages", "Message", "TextEnv", "ToolEnv", "Turn", "set_tool_parser"]
 
 Message = dict[str, str]
 MAX_ACTION_CHARS = 1 << 18
@@ -174,22 +174,31 @@ class ToolEnv(TextEnv):
     """A ``TextEnv`` whose tools are methods marked ``@tool``; a message without a call is the answer.
 
     Subclasses implement ``new_task`` and ``score(answer) -> float`` (reward in [0, 1]; success
-    means 1.0). Tool calls are parsed with :func:`agentrl.chat.parse_tool_calls`, validated against
-    each tool's schema, run with a timeout, and answered with one ``tool`` message per call, in order.
+    means 1.0). Tool calls are parsed by :attr:`tool_parser` (vLLM's parser of the model's
+    format, see :mod:`agentrl.tool_calls`), validated against each tool's schema, run with a
+    timeout, and answered with one ``tool`` message per call, in order.
 
     Args:
         max_turns: steps after which the episode is truncated.
         tool_timeout_s: wall-clock limit of one tool call.
         max_tool_calls_per_turn: calls beyond this in one message get an error instead of running.
         max_tool_output_chars: longer tool output is truncated.
+        tool_parser: name of the vLLM tool parser that reads the model's calls (``hermes``,
+            ``llama3_json``, ``mistral``, ...). The rollout replaces it with the parser chosen by
+            ``rollout.tool_parser``, built with the model's tokenizer (:func:`set_tool_parser`).
     """
 
     def __init__(self, *, max_turns: int = 8, tool_timeout_s: float = 10.0, max_tool_calls_per_turn: int = 8,
-                 max_tool_output_chars: int = 4000) -> None:
+                 max_tool_output_chars: int = 4000, tool_parser: str = DEFAULT_TOOL_PARSER) -> None:
         super().__init__(max_turns=max_turns)
         self.tool_timeout_s = tool_timeout_s
         self.max_tool_calls_per_turn = max_tool_calls_per_turn
         self.max_tool_output_chars = max_tool_output_chars
+        error = tool_parser_error(tool_parser, key="tool_parser")
+        if error is not None or tool_parser == "auto":  # (auto needs a model: the rollout resolves it)
+            raise ValueError(error or "tool_parser: 'auto' needs a checkpoint; give the parser's name")
+        self.tool_parser_name = tool_parser
+        self._tool_parser: ToolCallParser | None = None
         marked: dict[str, None] = {}  # definition order; a subclass may override a tool without @tool
         for klass in reversed(type(self).__mro__):
             for attr, value in vars(klass).items():
@@ -223,24 +232,32 @@ class ToolEnv(TextEnv):
             turn = self._crash(exc)
         return self._finish(turn)
 
+    @property
+    def tool_parser(self) -> ToolCallParser:
+        """The parser of the model's tool calls (built on first use from ``tool_parser``)."""
+        if self._tool_parser is None:
+            self._tool_parser = ToolCallParser(self.tool_parser_name)
+        return self._tool_parser
+
+    @tool_parser.setter
+    def tool_parser(self, parser: ToolCallParser) -> None:
+        self._tool_parser, self.tool_parser_name = parser, parser.name
+
+    def format_tool_call(self, name: str, arguments: dict[str, Any]) -> str:
+        """One call as the model's format writes it (for experts and tests)."""
+        return self.tool_parser.format(name, arguments)
+
     def _plan(self, action: Any) -> Turn | list[_Planned]:
-        """The final-answer turn, or one entry per <tool_call> block in order (a call or an error)."""
+        """The final-answer turn, or one entry per tool call in order (a call or an error)."""
         if not isinstance(action, str):
             error = f"the action must be text, got {type(action).__name__}"
             return Turn([_user(f"Error: {error}")], error=error)
-        num_tags = action.count("<tool_call>")
-        if num_tags > 4 * self.max_tool_calls_per_turn:  # bounds the parser's regex, quadratic in tags
-            error = f"too many <tool_call> tags ({num_tags}); at most {self.max_tool_calls_per_turn} calls per message"
-            return Turn([_user(f"Error: {error}")], error=error)
-        whole = parse_tool_calls(action)
-        if not whole.calls and not whole.errors:
+        # Blocks past 4x the limit are not even parsed: a degenerate policy can write thousands.
+        whole = self.tool_parser.parse(action, max_calls=4 * self.max_tool_calls_per_turn)
+        if not whole.items:
             reward = float(self.score(whole.content))
             return Turn([], reward=reward, terminated=True, success=reward >= 1.0)
-        plan: list[_Planned] = []
-        for match in TOOL_CALL_RE.finditer(action):
-            block = parse_tool_calls(match.group(0))
-            plan.append(_Planned(block.calls[0]) if block.calls else _Planned(None, block.errors[0]))
-        plan += [_Planned(None, e) for e in whole.errors if e.startswith("unterminated")]
+        plan = [_Planned(item) if isinstance(item, ToolCall) else _Planned(None, item) for item in whole.items]
         for p in plan[self.max_tool_calls_per_turn:]:
             if p.call is not None:
                 p.error = f"too many tool calls in one message (limit {self.max_tool_calls_per_turn}); not run"
@@ -294,6 +311,16 @@ class ToolEnv(TextEnv):
             num_tool_calls=sum(p.call is not None and p.error is None for p in plan),
             error="; ".join(errors)[:1000] if errors else None,
         )
+
+
+def set_tool_parser(env: Any, parser: ToolCallParser) -> bool:
+    """Make ``env`` (a gymnasium env, wrapped or not) read tool calls with ``parser``; returns
+    whether it takes one (envs without tools do not)."""
+    inner = getattr(env, "unwrapped", env)
+    if not isinstance(inner, ToolEnv):
+        return False
+    inner.tool_parser = parser
+    return True
 
 
 def _describe(exc: BaseException) -> str:

@@ -155,7 +155,7 @@ def first_step(expression: str) -> str:
 
 def expert(
     seed: int, *, guess_prob: float = 0.4, easy_guess_prob: float | None = None, partial_prob: float = 0.0,
-    rng_seed: int | None = None,
+    rng_seed: int | None = None, tool_parser: str = "hermes",
 ) -> list[str]:
     """An imperfect demonstrator's assistant messages for the episode ``reset(seed=seed)`` starts.
 
@@ -172,7 +172,8 @@ def expert(
     only the first operation (:func:`first_step`) and answers with that intermediate result, the
     way a careless solver forgets the second step; every such demonstration still shows the tool
     being used and its numbers copied. ``rng_seed`` varies its choices; by default they are a
-    fixed function of ``seed``.
+    fixed function of ``seed``. ``tool_parser`` names the model's tool-call format the calls are
+    written in (:func:`agentrl.tool_calls.format_tool_call`).
 
     Example:
         >>> expert(0, guess_prob=0.0)[1]
@@ -186,8 +187,8 @@ def expert(
     if rng.random() >= p_guess:
         if not easy and rng.random() < partial_prob:
             step = first_step(env.expression)
-            return [format_tool_call("calculate", {"expression": step}), f"The answer is {evaluate(step)}."]
-        return [format_tool_call("calculate", {"expression": env.expression}), f"The answer is {env.answer}."]
+            return [format_tool_call("calculate", {"expression": step}, tool_parser), f"The answer is {evaluate(step)}."]
+        return [format_tool_call("calculate", {"expression": env.expression}, tool_parser), f"The answer is {env.answer}."]
     first_number = re.findall(r"\d+", env.question)[0]
     return [f"The answer is {first_number}."]
 

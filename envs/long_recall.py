@@ -112,13 +112,14 @@ class LongRecallEnv(ToolEnv):
 
 
 def expert(seed: int, *, recency_prob: float = 0.0, env_kwargs: dict[str, Any] | None = None,
-           rng_seed: int | None = None) -> list[str]:
+           rng_seed: int | None = None, tool_parser: str = "hermes") -> list[str]:
     """An imperfect demonstrator's assistant messages for the episode ``reset(seed=seed)`` starts.
 
     It reads every page, then answers. With probability ``recency_prob`` it answers with the fact
     of the *last* page instead of the asked one (right only when the last page is the asked one):
     the habit of a reader who recalls what it read most recently. Every demonstration still copies
     a name and its value from the document, so the wrong answers are learnable targets.
+    ``tool_parser`` names the model's tool-call format the calls are written in.
 
     Example:
         >>> expert(0, env_kwargs={"page_words": 20})[-1]
@@ -128,7 +129,7 @@ def expert(seed: int, *, recency_prob: float = 0.0, env_kwargs: dict[str, Any] |
     env.reset(seed=seed)
     rng = random.Random(f"expert:{seed}:{rng_seed}")
     name, value = env.facts[-1] if rng.random() < recency_prob else env.facts[env.asked]
-    return [format_tool_call("next_page", {"cursor": c}) for c in env.cursors] + [f"{name} = {value}"]
+    return [format_tool_call("next_page", {"cursor": c}, tool_parser) for c in env.cursors] + [f"{name} = {value}"]
 
 
 LongRecallEnv.expert = staticmethod(expert)  # the same function, reachable from the env class

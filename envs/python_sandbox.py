@@ -1,12 +1,15 @@
 """PythonSandbox-v0: small programming tasks, a ``run_python`` tool, hidden tests for the answer.
 
-The final answer must contain a fenced code block that defines the function. Hidden test inputs run
-in the same sandbox as the tool; only the outputs come back, and they are compared with a reference
-implementation here, so printing fake results earns nothing.
+The final answer must contain a fenced code block that defines the function. Scoring runs the answer in
+a fresh sandbox of its own with a harness that calls the function on the hidden inputs and prints the
+``repr`` of each result; the reference implementation and the expected outputs never leave this process,
+so printing fake results, rewriting the harness or reading files earns nothing. A result line that is
+not a list of strings, one per input, scores 0 and says why in ``last_grading_note``.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
 import random
 import re
@@ -14,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentrl.envs.base import Message, ToolEnv
-from agentrl.envs.sandbox import SandboxLimits, run_sandboxed
+from agentrl.envs.sandbox import BACKENDS, SandboxLimits, run_sandboxed
 from agentrl.envs.tools import tool
 
 __all__ = ["PythonSandboxEnv", "extract_code"]
@@ -74,12 +77,21 @@ class PythonSandboxEnv(ToolEnv):
         wall_time_s: wall-clock limit of each sandboxed run.
         memory_mb: address-space limit of each sandboxed run.
         max_turns: steps before truncation.
+        sandbox_backend: ``"bwrap"`` (OS isolation, the default) or ``"audit_hook"`` (in-process layers
+            only; NOT a security boundary, for machines without user namespaces and trusted policies).
         **kwargs: ``tool_timeout_s`` (default ``wall_time_s + 5``), ``max_tool_calls_per_turn``,
             ``max_tool_output_chars``.
     """
 
     def __init__(self, *, cpu_time_s: int = 2, wall_time_s: float = 5.0, memory_mb: int = 512, max_turns: int = 6,
-                 **kwargs: Any) -> None:
+                 sandbox_backend: str = "bwrap", **kwargs: Any) -> None:
+        if sandbox_backend not in BACKENDS:
+            close = difflib.get_close_matches(str(sandbox_backend), BACKENDS, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"env.kwargs.sandbox_backend: unknown backend {sandbox_backend!r}{hint}; "
+                             f"expected one of {', '.join(BACKENDS)}")
+        self.sandbox_backend = sandbox_backend
+        self.last_grading_note = ""
         kwargs.setdefault("tool_timeout_s", wall_time_s + 5.0)
         super().__init__(max_turns=max_turns, **kwargs)
         self.limits = SandboxLimits(cpu_time_s=cpu_time_s, wall_time_s=wall_time_s, memory_mb=memory_mb,
@@ -98,11 +110,13 @@ class PythonSandboxEnv(ToolEnv):
         Args:
             code: A complete Python program; use print to see values.
         """
-        return run_sandboxed(code, self.limits).describe()
+        return run_sandboxed(code, self.limits, backend=self.sandbox_backend).describe()
 
     def score(self, answer: str) -> float:
+        self.last_grading_note = ""
         code = extract_code(answer)
         if code is None:
+            self.last_grading_note = "no fenced code block in the answer"
             return 0.0
         harness = (f"\n\nimport json as _j\n_outs = []\nfor _args in {self.inputs!r}:\n"
                    f"    try:\n        _outs.append(repr({self.function_name}(*_args)))\n"
@@ -110,11 +124,22 @@ class PythonSandboxEnv(ToolEnv):
                    f"print()\nprint({MARKER!r} + _j.dumps(_outs))\n")
         limits = SandboxLimits(cpu_time_s=self.limits.cpu_time_s, wall_time_s=self.limits.wall_time_s,
                                memory_mb=self.limits.memory_mb, max_output_bytes=1 << 16)
-        result = run_sandboxed(code + harness, limits)
-        lines = [line for line in result.output.splitlines() if line.startswith(MARKER)]
-        try:
-            outputs = json.loads(lines[-1][len(MARKER):]) if lines else []
-        except json.JSONDecodeError:
-            return 0.0
-        expected = [repr(self.reference(*args)) for args in self.inputs]
+        result = run_sandboxed(code + harness, limits, backend=self.sandbox_backend)
+        outputs, self.last_grading_note = _parse_results(result.output, len(self.inputs))
+        expected = [repr(self.reference(*args)) for args in self.inputs]  # here, never inside the sandbox
         return sum(o == e for o, e in zip(outputs, expected)) / len(expected)
+
+
+def _parse_results(output: str, num_inputs: int) -> tuple[list[str], str]:
+    """The harness's outputs from its last result line, or ([], why they cannot be used)."""
+    lines = [line for line in output.splitlines() if line.startswith(MARKER)]
+    if not lines:
+        return [], "no result line: the answer did not run to the end of the hidden tests"
+    try:
+        outputs = json.loads(lines[-1][len(MARKER):])
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return [], f"malformed result line: {type(exc).__name__}"
+    if not isinstance(outputs, list) or len(outputs) != num_inputs or not all(isinstance(o, str) for o in outputs):
+        shape = f"list of {len(outputs)}" if isinstance(outputs, list) else type(outputs).__name__
+        return [], f"malformed result line: expected a list of {num_inputs} strings, got a {shape}"
+    return outputs, ""

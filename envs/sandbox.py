@@ -1,27 +1,28 @@
-"""Run untrusted Python in a separate, limited process.
+"""Run untrusted Python in a separate, limited process: ``run_sandboxed``.
 
-Layers, each a backstop for the others:
+Two backends, chosen explicitly:
 
-- a fresh ``python -I -S`` process (isolated mode, standard library only, minimal environment) in a
-  throwaway working directory that is deleted afterwards;
-- resource limits set in the child before any user code runs: ``RLIMIT_CPU``, ``RLIMIT_AS``,
-  ``RLIMIT_FSIZE``, ``RLIMIT_CORE`` and ``RLIMIT_NPROC`` (Linux exempts uid 0 from the last one);
-- an audit hook (PEP 578) that refuses process creation, signals, sockets, writes outside the
-  working directory, reads outside it and the Python installation (no credentials, no other
-  processes' ``/proc`` entries, no hidden tests), and imports of ``blocked_modules``;
-- a network namespace (``unshare --net``) where the machine allows it;
-- a wall-clock deadline and an output cap, read incrementally, after which the whole process group
-  is killed.
+- ``"bwrap"`` (the default, and the only security boundary): the program runs under bubblewrap in its
+  own user, PID, mount, network, IPC and UTS namespaces as an unprivileged uid, on a read-only view of
+  the interpreter with a size-limited private tmpfs as working directory (see ``_bwrap.py``), with
+  ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``, ``RLIMIT_NPROC`` and ``RLIMIT_CORE`` set before any user
+  code runs. The PEP 578 audit hook of ``_sandbox_child.py`` runs inside as a second layer only (it
+  turns common mistakes into clear messages); nothing depends on it. A missing or unusable ``bwrap``
+  is an error that says how to install it, never a silent downgrade.
+- ``"audit_hook"``: the older in-process layers (``python -I -S`` in a throwaway host directory, the
+  audit hook, rlimits, ``unshare --net`` where allowed). NOT a security boundary: a program that wants
+  out gets out. For machines without user namespaces, on trusted code only.
 
-This contains what a policy writes by accident or by reward hacking; it is not a boundary against a
-determined attacker. Run training in a container or VM as well.
+Both: a wall-clock deadline and an output cap, read incrementally, after which everything the program
+started is killed. This module knows nothing of environments or scoring.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
-import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -29,10 +30,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["DEFAULT_BLOCKED_MODULES", "SandboxLimits", "SandboxResult", "run_sandboxed"]
+from agentrl.envs._bwrap import BwrapUnavailableError, bwrap_command, check_bwrap, spawn_identity
+from agentrl.envs._seccomp import seccomp_bpf
+
+__all__ = ["BACKENDS", "DEFAULT_BLOCKED_MODULES", "BwrapUnavailableError", "SandboxLimits", "SandboxResult",
+           "run_sandboxed"]
+
+BACKENDS = ("bwrap", "audit_hook")
 
 DEFAULT_BLOCKED_MODULES = (
     "socket", "_socket", "ssl", "_ssl", "subprocess", "_posixsubprocess", "multiprocessing",
@@ -47,12 +55,16 @@ class SandboxLimits:
 
     Args:
         cpu_time_s: CPU seconds before the kernel kills the process.
-        wall_time_s: wall-clock seconds before the process group is killed.
+        wall_time_s: wall-clock seconds before everything the program started is killed.
         memory_mb: address-space limit (allocations beyond it raise MemoryError).
         max_output_bytes: stdout+stderr kept; the process is killed when it writes more.
         max_file_bytes: largest file the code may write.
         max_processes: processes/threads the code may add (RLIMIT_NPROC headroom).
-        blocked_modules: modules whose import is refused.
+        max_disk_bytes: size of the private tmpfs working directory: all files together (bwrap backend).
+        max_open_files: file descriptors per process (RLIMIT_NOFILE).
+        blocked_modules: modules whose import the audit hook refuses.
+        audit_hook_layer: bwrap backend: also install the audit hook inside, as a second layer that gives
+            clear messages for common mistakes (the audit_hook backend always installs it).
     """
 
     cpu_time_s: int = 2
@@ -61,7 +73,10 @@ class SandboxLimits:
     max_output_bytes: int = 16_384
     max_file_bytes: int = 1 << 20
     max_processes: int = 16
+    max_disk_bytes: int = 32 << 20
+    max_open_files: int = 256
     blocked_modules: tuple[str, ...] = field(default=DEFAULT_BLOCKED_MODULES)
+    audit_hook_layer: bool = True
 
 
 @dataclass(frozen=True)
@@ -102,7 +117,7 @@ def _unshare_prefix() -> tuple[str, ...]:
         return ()
     for prefix in (("unshare", "--net"), ("unshare", "--user", "--map-root-user", "--net")):
         try:
-            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0:
+            if subprocess.run([*prefix, "true"], capture_output=True, timeout=10, check=False).returncode == 0:
                 return prefix
         except (OSError, subprocess.SubprocessError):
             pass
@@ -152,21 +167,191 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str 
         time.sleep(0.002)
 
 
-def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResult:
+def run_sandboxed(code: str, limits: SandboxLimits | None = None, *, backend: str = "bwrap") -> SandboxResult:
     """Run ``code`` as ``main.py`` in a fresh sandboxed interpreter and return what happened.
+
+    Args:
+        code: the program's source.
+        limits: resource limits; ``SandboxLimits()`` when None.
+        backend: ``"bwrap"`` (OS isolation, the default) or ``"audit_hook"`` (in-process layers only,
+            not a security boundary; only when chosen explicitly).
+
+    Raises:
+        ValueError: unknown ``backend``.
+        BwrapUnavailableError: ``backend="bwrap"`` and bubblewrap is missing or cannot run here.
 
     Example:
         >>> run_sandboxed("print(6 * 7)").describe()
         '42'
     """
     limits = limits or SandboxLimits()
+    if backend == "bwrap":
+        check_bwrap()
+        return _run_bwrap(code, limits)
+    if backend == "audit_hook":
+        return _run_audit_hook(code, limits)
+    close = difflib.get_close_matches(str(backend), BACKENDS, n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ValueError(f"unknown sandbox backend {backend!r}{hint}; expected one of {', '.join(BACKENDS)}")
+
+
+def encode_config(limits: SandboxLimits, nproc: int | None, hook: bool) -> str:
+    """The child's one argument: ``name=value`` pairs joined by ``;`` (cheaper to parse there than JSON)."""
+    values = {"cpu_time_s": limits.cpu_time_s, "memory_mb": limits.memory_mb, "max_file_bytes": limits.max_file_bytes,
+              "max_open_files": limits.max_open_files, "nproc": nproc, "hook": int(hook),
+              "blocked_modules": ",".join(limits.blocked_modules)}
+    return ";".join(f"{k}={'' if v is None else v}" for k, v in values.items())
+
+
+@functools.lru_cache(maxsize=1)
+def _child_source() -> bytes:
+    return Path(_CHILD).read_bytes()
+
+
+@functools.lru_cache(maxsize=1)
+def _seccomp_filter() -> bytes | None:
+    try:
+        return seccomp_bpf()
+    except (ImportError, OSError, RuntimeError) as exc:  # an extra layer: its absence is said, not fatal
+        warnings.warn(f"agentrl sandbox: no seccomp filter ({exc}); install pyseccomp and libseccomp2 for it. "
+                      "The namespaces and the unprivileged uid still hold.", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def _memfd(name: str, data: bytes) -> int:
+    fd = os.memfd_create(name)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _init_pidfd(proc: subprocess.Popen, info_fd: int, deadline: float) -> int | None:
+    """A pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report, or None.
+
+    A pidfd names one process for good, so killing through it later cannot hit a reused PID; the PID is
+    checked to be bwrap's child while bwrap is alive and unreaped (so it cannot have been reused yet).
+    """
+    poller = select.poll()
+    poller.register(info_fd, select.POLLIN | select.POLLHUP)
+    data = b""
+    while (found := re.search(rb'"child-pid":\s*(\d+)\s*[,}\n]', data)) is None:
+        if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
+            return None
+        chunk = os.read(info_fd, 4096)  # bwrap writes its report in pieces
+        if not chunk:
+            return None
+        data += chunk
+    return _child_pidfd(proc, int(found.group(1)))
+
+
+def _child_pidfd(proc: subprocess.Popen, pid: int) -> int | None:
+    """A pidfd of ``pid`` if it is a child of the (unreaped) ``proc``, else None."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        return None
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
+    except (OSError, StopIteration, ValueError):
+        ppid = None
+    if ppid != proc.pid:
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
+def _children_pidfds(proc: subprocess.Popen) -> list[int]:
+    """pidfds of the children of bwrap (its init), found through /proc when its report did not come."""
+    pids: set[int] = set()
+    try:
+        for task in os.scandir(f"/proc/{proc.pid}/task"):
+            pids.update(int(p) for p in Path(task.path, "children").read_text().split())
+    except OSError:
+        pass
+    return [fd for fd in (_child_pidfd(proc, pid) for pid in pids) if fd is not None]
+
+
+def _kill_sandbox(proc: subprocess.Popen, init_pidfd: int | None) -> None:
+    """Kill the sandbox's init and wait until it has exited, which the kernel allows only once every
+    other process of its PID namespace is gone; then make sure bwrap itself is gone.
+
+    bwrap exits as soon as it knows the exit status; its init may outlive it by a moment and is then
+    reaped by the host's PID 1 (a zombie runs nothing).
+    """
+    extra = [] if init_pidfd is not None or proc.poll() is not None else _children_pidfds(proc)
+    pidfds = ([init_pidfd] if init_pidfd is not None else []) + extra
+    for pidfd in pidfds:
+        try:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for pidfd in pidfds:
+        select.select([pidfd], [], [], 5.0)  # readable once the init has exited
+    for pidfd in extra:
+        os.close(pidfd)
+    deadline = time.monotonic() + (2.0 if pidfds else 0.0)
+    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() >= deadline:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # --die-with-parent takes the sandbox with bwrap
+            except (ProcessLookupError, PermissionError):
+                pass
+            break
+        time.sleep(0.002)
+
+
+def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
+    config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + bwrap's init, python
+    code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
+    child_fd = _memfd("child.py", _child_source())
+    bpf = _seccomp_filter()
+    seccomp_fd = None if bpf is None else _memfd("seccomp", bpf)
+    info_r, info_w = os.pipe()
+    passed = tuple(fd for fd in (code_fd, child_fd, info_w, seccomp_fd) if fd is not None)
+    try:
+        cmd = bwrap_command(code_fd=code_fd, child_fd=child_fd, info_fd=info_w, disk_bytes=limits.max_disk_bytes,
+                            argv=[config], seccomp_fd=seccomp_fd)
+        proc = subprocess.Popen(cmd, pass_fds=passed, env={}, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                                **spawn_identity()[1])
+    finally:
+        for fd in passed:
+            os.close(fd)
+    init_pidfd = None
+    try:
+        try:
+            init_pidfd = _init_pidfd(proc, info_r, time.monotonic() + limits.wall_time_s)
+            output, killed = _collect(proc, limits)
+        finally:
+            _kill_sandbox(proc, init_pidfd)
+            exit_code = proc.wait()
+            proc.stdout.close()
+    finally:
+        for fd in (info_r, init_pidfd):
+            if fd is not None:
+                os.close(fd)
+    if exit_code > 128 and killed is None:  # bwrap reports a child killed by signal N as 128 + N
+        exit_code = -(exit_code - 128)
+    return _result(output, killed, exit_code, limits)
+
+
+def _result(output: bytes, killed: str | None, exit_code: int, limits: SandboxLimits) -> SandboxResult:
+    if killed is None:
+        cpu_signals = (-signal.SIGKILL, -signal.SIGXCPU)
+        killed = "ok" if exit_code == 0 else "cpu_limit" if exit_code in cpu_signals else (
+            "crashed" if exit_code < 0 else "error")
+    return SandboxResult(output.decode("utf-8", errors="replace"), killed, exit_code, limits)
+
+
+def _run_audit_hook(code: str, limits: SandboxLimits) -> SandboxResult:
     nproc = None if os.getuid() == 0 else _user_task_count(os.getuid()) + limits.max_processes
-    config = {**asdict(limits), "nproc": nproc}
+    config = encode_config(limits, nproc, True)
     workdir = tempfile.mkdtemp(prefix="agentrl-sandbox-")
     try:
         Path(workdir, "main.py").write_text(code, encoding="utf-8", errors="replace")
         env = {"PATH": "/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
-        cmd = [*_unshare_prefix(), sys.executable, "-I", "-S", _CHILD, json.dumps(config)]
+        cmd = [*_unshare_prefix(), sys.executable, "-I", "-S", _CHILD, config]
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
@@ -180,8 +365,4 @@ def run_sandboxed(code: str, limits: SandboxLimits | None = None) -> SandboxResu
             proc.stdout.close()
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    if killed is None:
-        cpu_signals = (-signal.SIGKILL, -signal.SIGXCPU)
-        killed = "ok" if exit_code == 0 else "cpu_limit" if exit_code in cpu_signals else (
-            "crashed" if exit_code < 0 else "error")
-    return SandboxResult(output.decode("utf-8", errors="replace"), killed, exit_code, limits)
+    return _result(output, killed, exit_code, limits)

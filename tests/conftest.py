@@ -11,3 +11,19 @@ def tiny_model_dir(tmp_path_factory):
     from agentrl.tiny import bootstrap_tiny
 
     return str(bootstrap_tiny(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dir(tmp_path_factory):
+    """``tiny_family_dir(family)``: a tiny model of that family (agentrl bootstrap-tiny --family),
+    made once per session."""
+    from agentrl.tiny import bootstrap_tiny
+
+    made = {}
+
+    def get(family: str) -> str:
+        if family not in made:
+            made[family] = str(bootstrap_tiny(tmp_path_factory.mktemp(f"tiny-{family}") / "model", family=family))
+        return made[family]
+
+    return get

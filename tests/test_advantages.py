@@ -15,7 +15,7 @@ from agentrl.advantages import (
 )
 from agentrl.config import AdvantageConfig, ConfigError
 from agentrl.testing import reward_groups, trajectories, trajectory_groups
-from agentrl.trajectory import TrajectoryGroup
+from agentrl.trajectory import Trajectory, TrajectoryGroup
 
 FAST = settings(max_examples=80, deadline=None)
 ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
@@ -28,15 +28,53 @@ def test_registry_matches_config() -> None:
 
 
 @FAST
-@given(rewards=reward_groups(), normalize_std=st.booleans())
-def test_grpo_zero_mean_and_unit_std(rewards: torch.Tensor, normalize_std: bool) -> None:
-    adv = group_advantages(rewards, "grpo", normalize_std=normalize_std)
+@given(
+    rewards=reward_groups(),
+    normalize_std=st.booleans(),
+    std_kind=st.sampled_from(["population", "sample"]),
+)
+def test_grpo_zero_mean_and_unit_std(rewards: torch.Tensor, normalize_std: bool, std_kind: str) -> None:
+    adv = group_advantages(rewards, "grpo", normalize_std=normalize_std, std=std_kind)
     assert abs(float(adv.mean())) <= 1e-9 * max(1.0, float(adv.abs().max()))
-    std = float(rewards.std(correction=0))
+    # Each convention makes the advantages' own std of that convention 1 (up to eps).
+    correction = {"population": 0, "sample": 1}[std_kind]
+    std = float(rewards.std(correction=correction)) if rewards.numel() > correction else 0.0
     if normalize_std and std > 1e-3:
-        assert float(adv.std(correction=0)) == pytest.approx(std / (std + 1e-6), rel=1e-9)
+        assert float(adv.std(correction=correction)) == pytest.approx(std / (std + 1e-6), rel=1e-9)
     if not normalize_std:
         torch.testing.assert_close(adv, rewards - rewards.mean(), rtol=0, atol=1e-12)
+
+
+def _one_token_trajectory(reward: float) -> Trajectory:
+    return Trajectory(token_ids=[1, 2], loss_mask=[0, 1], behavior_logprobs=[0.0, -1.0],
+                      policy_versions=[-1, 0], turn_spans=[(1, 2)], turn_rewards=[reward])
+
+
+@pytest.mark.parametrize(("std_kind", "expected"), [("population", 1.0), ("sample", 0.5**0.5)])
+def test_grpo_std_conventions_on_two_rewards(std_kind: str, expected: float) -> None:
+    # Rewards [1, 0]: population std 0.5 gives +-1.0 (agentrl's default); the Bessel-corrected
+    # sample std 0.707 gives +-0.707 (verl, NeMo-RL).
+    rewards = torch.tensor([1.0, 0.0], dtype=torch.float64)
+    adv = group_advantages(rewards, "grpo", eps=1e-12, std=std_kind)
+    assert adv.tolist() == pytest.approx([expected, -expected], rel=1e-9)
+    cfg = AdvantageConfig(std=std_kind, eps=1e-12)
+    group = TrajectoryGroup("t", [_one_token_trajectory(1.0), _one_token_trajectory(0.0)])
+    out = trajectory_token_advantages(group, cfg)
+    assert [row[-1] for row in out] == pytest.approx([expected, -expected], rel=1e-9)
+
+
+def test_std_convention_matters_only_for_normalized_grpo() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.0, 3.0], dtype=torch.float64)
+    for estimator, normalize_std in [("grpo", False), ("rloo", True), ("dr_grpo", True)]:
+        a, b = (group_advantages(rewards, estimator, normalize_std=normalize_std, std=k)
+                for k in ("population", "sample"))
+        assert torch.equal(a, b), estimator
+    a, b = (group_advantages(rewards, "grpo", std=k) for k in ("population", "sample"))
+    assert not torch.equal(a, b)
+    with pytest.raises(ConfigError, match="did you mean 'sample'"):
+        group_advantages(rewards, "grpo", std="sampel")
+    with pytest.warns(UserWarning, match="advantage.std.*no effect"):
+        AdvantageConfig(estimator="rloo", std="sample")
 
 
 @FAST
@@ -135,14 +173,16 @@ def test_final_reward_discount_one_equals_episode_advantage(
         ] * traj.num_sampled_tokens
 
 
+@pytest.mark.filterwarnings("ignore:advantage.std=")
 @FAST
 @given(
     group=trajectory_groups(),
     cfg=st.builds(
         AdvantageConfig,
-        estimator=st.sampled_from(ESTIMATORS),
+        estimator=st.just("grpo") | st.sampled_from(ESTIMATORS),
         normalize_std=st.booleans(),
         turn_discount=st.floats(0, 1),
+        std=st.sampled_from(["population", "sample"]),
     ),
 )
 def test_turn_tokens_get_their_turns_return_to_go(group, cfg: AdvantageConfig) -> None:
@@ -169,7 +209,8 @@ def test_turn_tokens_get_their_turns_return_to_go(group, cfg: AdvantageConfig) -
         elif cfg.estimator == "rloo":
             baseline, scale = (sum(g0) - g0[idx]) / (len(g0) - 1), 1.0
         elif cfg.estimator == "grpo" and cfg.normalize_std:
-            std = (sum((x - mean) ** 2 for x in g0) / len(g0)) ** 0.5
+            dof = len(g0) - (cfg.std == "sample")
+            std = (sum((x - mean) ** 2 for x in g0) / dof) ** 0.5
             baseline, scale = mean, std + cfg.eps
         else:
             baseline, scale = mean, 1.0

@@ -1,8 +1,19 @@
+import json
+import warnings
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from agentrl.config import Config, ConfigError, load_config
+from agentrl.config import (
+    FAST_OPTIONS,
+    Config,
+    ConfigError,
+    MegatronConfig,
+    load_config,
+    resolve_fast_options,
+)
 
 CONFIGS = sorted(Path(__file__).resolve().parents[1].joinpath("configs").glob("*.yaml"))
 
@@ -78,3 +89,91 @@ def test_cuda_graphs_refuses_what_it_does_not_support():
                      ("learner.megatron.attention=sdpa", "attention=sdpa")):
         with pytest.raises(ConfigError, match=f"cuda_graphs.*{key}"):
             load_config(None, [*base, bad])
+
+
+MEGATRON = ["learner.backend=megatron"]
+ALL_ON = dict.fromkeys(FAST_OPTIONS, True)
+
+
+def _fast(cfg: Config) -> dict[str, bool]:
+    return {k: getattr(cfg.learner.megatron, k) for k in FAST_OPTIONS}
+
+
+@pytest.mark.parametrize(
+    ("layout", "expected"),
+    [
+        ([], ALL_ON),  # one GPU, flex: every fast option runs
+        (["learner.num_gpus=2", "learner.megatron.tensor_parallel_size=2"],
+         {**ALL_ON, "cuda_graphs": False, "fused_logprobs": False}),
+        (["learner.num_gpus=2", "learner.megatron.pipeline_parallel_size=2"], {**ALL_ON, "cuda_graphs": False}),
+        (["learner.num_gpus=2", "learner.megatron.context_parallel_size=2", "packing.pad_multiple=4"],
+         {**ALL_ON, "cuda_graphs": False, "flex_expand_kv": False}),
+        (["learner.megatron.activation_checkpointing=true"],
+         {**ALL_ON, "cuda_graphs": False, "keep_grad_logits": False}),
+        (["learner.megatron.attention=sdpa"], {**ALL_ON, "cuda_graphs": False, "flex_expand_kv": False}),
+    ],
+    ids=["1gpu", "tp2", "pp2", "cp2", "act_ckpt", "sdpa"],
+)
+def test_fast_options_default_to_on_where_they_apply(layout: list[str], expected: dict[str, bool]) -> None:
+    assert MegatronConfig.model_fields["cuda_graphs"].default == "auto"
+    assert _fast(load_config(None, [*MEGATRON, *layout])) == expected
+
+
+def test_fast_options_true_and_false_still_force() -> None:
+    off = load_config(None, [*MEGATRON, *(f"learner.megatron.{k}=false" for k in FAST_OPTIONS)])
+    assert _fast(off) == dict.fromkeys(FAST_OPTIONS, False)
+    kept = load_config(None, [*MEGATRON, "learner.megatron.activation_checkpointing=true",
+                              "learner.megatron.keep_grad_logits=true"])
+    assert kept.learner.megatron.keep_grad_logits is True
+    with pytest.warns(UserWarning, match="fused_logprobs .*without effect"):
+        load_config(None, [*MEGATRON, "learner.num_gpus=2", "learner.megatron.tensor_parallel_size=2",
+                           "learner.megatron.fused_logprobs=true"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # auto never warns
+        load_config(None, [*MEGATRON, "learner.num_gpus=2", "learner.megatron.tensor_parallel_size=2"])
+
+
+def test_fast_options_follow_later_changes_unless_forced() -> None:
+    cfg = load_config(None, MEGATRON)
+    mc = cfg.learner.megatron
+    mc.keep_grad_logits = False
+    mc.activation_checkpointing = True
+    assert (mc.cuda_graphs, mc.keep_grad_logits) == (False, False)
+    mc.activation_checkpointing = False
+    assert (mc.cuda_graphs, mc.keep_grad_logits) == (True, False)  # auto follows; the forced one stays
+    mc.keep_grad_logits = "auto"
+    assert mc.keep_grad_logits is True
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]),
+    ckpt=st.booleans(), attention=st.sampled_from(["flex", "sdpa", "te"]),
+    forced=st.dictionaries(st.sampled_from(FAST_OPTIONS), st.booleans()),
+)
+def test_auto_resolves_to_a_valid_config(tp, pp, cp, ckpt, attention, forced) -> None:
+    layout = [*MEGATRON, f"learner.num_gpus={tp * pp * cp}", f"learner.megatron.tensor_parallel_size={tp}",
+              f"learner.megatron.pipeline_parallel_size={pp}", f"learner.megatron.context_parallel_size={cp}",
+              f"learner.megatron.activation_checkpointing={ckpt}", f"learner.megatron.attention={attention}",
+              "packing.pad_multiple=4"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            cfg = load_config(None, [*layout, *(f"learner.megatron.{k}={v}" for k, v in forced.items())])
+        except ConfigError as err:  # only a forced cuda_graphs where it cannot run is refused
+            assert forced.get("cuda_graphs") and "cuda_graphs needs" in str(err)
+            assert not resolve_fast_options(load_config(None, layout).learner.megatron)["cuda_graphs"]
+            return
+    auto = resolve_fast_options(cfg.learner.megatron)
+    assert _fast(cfg) == {k: forced.get(k, auto[k]) for k in FAST_OPTIONS}
+
+
+def test_print_config_shows_the_resolved_options(capsys) -> None:
+    from agentrl.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    for layout, graphs in (([], True), (["learner.megatron.activation_checkpointing=true"], False)):
+        with pytest.raises(SystemExit):
+            main(["train", str(root / "configs" / "quickstart.yaml"), *MEGATRON, *layout, "--print-config"])
+        megatron = json.loads(capsys.readouterr().out)["learner"]["megatron"]
+        assert megatron["cuda_graphs"] is graphs and megatron["fused_logprobs"] is True

@@ -122,8 +122,8 @@ def test_wrong_final_answer_gets_zero():
 
 
 @pytest.mark.parametrize(("action", "expected"), [
-    ("<tool_call>{not json}</tool_call>", "not valid JSON"),
-    ("<tool_call>[1, 2]</tool_call>", "JSON object"),
+    ("<tool_call>{not json}</tool_call>", "malformed tool call"),
+    ("<tool_call>[1, 2]</tool_call>", "malformed tool call"),
     (call("ad", a=1, b=2), "Did you mean 'add'?"),
     (call("add", a=1), "missing required argument 'b'"),
     (call("add", a="1", b=2), "argument 'a' must be integer, got str"),
@@ -133,7 +133,8 @@ def test_wrong_final_answer_gets_zero():
     (call("boom"), "RuntimeError: kaboom"),
     (call("leave"), "SystemExit"),
     (call("nap", seconds=5), "did not finish within 0.3 s"),
-    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}', "unterminated"),
+    # (vLLM's hermes parser accepts a last block whose </tool_call> is missing; a cut JSON is malformed)
+    ('<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2', "malformed tool call"),
 ])
 def test_malformed_calls_give_an_error_and_the_episode_continues(action, expected):
     env = make()
@@ -162,7 +163,7 @@ def test_calls_answered_in_order_with_errors_in_place_and_a_cap_per_message():
     action = call("add", a=1, b=1) + "<tool_call>oops</tool_call>" + call("add", a=2, b=2) + call("add", a=3, b=3)
     obs, _, _, _, info = env.step(action)
     contents = [m["content"] for m in obs]
-    assert contents[0] == "2" and contents[1].startswith("Error: tool call is not valid JSON") and contents[2] == "4"
+    assert contents[0] == "2" and contents[1].startswith("Error: malformed tool call '<tool_call>oops</tool_call>'") and contents[2] == "4"
     assert "too many tool calls" in contents[3]
     assert info["num_tool_calls"] == 2
 

@@ -109,7 +109,7 @@ class ScriptedEngine:
         if len(prompt_ids) + max_tokens > self.max_model_len:
             raise ValueError(f"prompt {len(prompt_ids)} + max_tokens {max_tokens} > max_model_len {self.max_model_len}")
         self.calls.append((len(prompt_ids), max_tokens))
-        ids = (self.renderer.encode(self.texts.pop(0)) + [self.renderer.eos_token_id])[:max_tokens]
+        ids = (self.renderer.encode(self.texts.pop(0)) + [self.renderer.end_of_turn_id])[:max_tokens]
         n = len(ids)
         return GenerationResult(ids, [-0.5] * n, [self.version] * n, "stop" if n < max_tokens else "length")
 
@@ -192,15 +192,15 @@ def test_tool_outputs_are_capped_with_a_marker(renderer):
 def test_long_context_cpu_config_is_long():
     cfg = load_config("configs/long_context_cpu.yaml")
     assert cfg.engine.max_model_len == cfg.rollout.max_total_tokens == cfg.packing.max_tokens_per_microbatch == 16384
-    assert cfg.model.tiny_kwargs["max_position_embeddings"] >= 16384 and cfg.learner.backend == "torch"
+    assert cfg.model.tiny.max_position_embeddings >= 16384 and cfg.learner.backend == "torch"
     assert cfg.env.id == "agentrl/LongRecall-v0" and cfg.env.kwargs["num_pages"] >= 4 and cfg.sft.enabled
 
 
 def test_config_errors_name_the_key():
     with pytest.raises(Exception, match="overlong"):
         load_config(None, ["rollout.overlong=drop"])
-    with pytest.raises(Exception, match="did you mean 'max_position_embeddings'"):
-        load_config(None, ["model.tiny_kwargs={max_position_embedings: 16384}"])
+    with pytest.raises(Exception, match="max_position_embeddings"):
+        load_config(None, ["model.tiny.max_position_embedings=16384"])
 
 
 # ------------------------------------------------------------------------------ staleness

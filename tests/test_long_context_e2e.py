@@ -62,8 +62,8 @@ def _short_group(renderer):
 
     trajs = []
     for reward, text in ((1.0, "seven 7"), (0.0, "nothing here")):
-        prompt = renderer.encode("say a number") + [renderer.eos_token_id]
-        out = renderer.encode(text) + [renderer.eos_token_id]
+        prompt = renderer.encode("say a number") + [renderer.end_of_turn_id]
+        out = renderer.encode(text) + [renderer.end_of_turn_id]
         ids = prompt + out
         trajs.append(Trajectory(ids, [0] * len(prompt) + [1] * len(out), [0.0] * len(ids),
                                 [-1] * len(prompt) + [0] * len(out), [(len(prompt), len(ids))], [reward]))

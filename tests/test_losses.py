@@ -21,6 +21,7 @@ from agentrl.losses import (
 )
 from agentrl.testing import (
     AGGREGATIONS,
+    BAND_TYPES,
     IS_TYPES,
     check_clipping,
     check_importance_weights,
@@ -76,11 +77,18 @@ def test_is_weights_truncated_and_masks_exact(batch, cfg: LossConfig) -> None:
     assert not out.weights.requires_grad
     assert bool((out.weights[~mask] == 0).all()) and not bool(out.kept[~mask].any())
     expected = reference_is_weights(batch.prox_logprobs, batch.behavior_logprobs, mask, is_cfg)
-    if is_cfg.type in ("token_mask", "seq_mask_geo"):
-        # Exactly the out-of-band tokens (sequences) are dropped; kept ones keep weight 1.
-        assert bool((out.weights[out.kept] == 1).all()) and bool(
-            (out.weights[~out.kept] == 0).all()
-        )
+    if is_cfg.type in BAND_TYPES:
+        # Exactly the out-of-band tokens (sequences) are dropped (weight 0). Kept ones keep weight 1
+        # (rejection sampling) or their own ratio truncated at the cap (IcePop).
+        assert bool((out.weights[~out.kept] == 0).all())
+        if is_cfg.type in ("token_mask", "seq_mask_geo"):
+            assert bool((out.weights[out.kept] == 1).all())
+        else:
+            ratio = log_ratio.exp()
+            torch.testing.assert_close(
+                out.weights[out.kept], ratio.clamp(max=is_cfg.cap)[out.kept], rtol=1e-9, atol=0
+            )
+            assert torch.equal(out.truncated, out.kept & (log_ratio > math.log(is_cfg.cap)))
         wide = is_cfg.model_copy(
             update={"low": is_cfg.low * (1 - 1e-9), "high": is_cfg.high * (1 + 1e-9)}
         )
@@ -107,6 +115,48 @@ def test_is_weights_truncated_and_masks_exact(batch, cfg: LossConfig) -> None:
         edge = (uncapped - is_cfg.cap).abs() <= 1e-9 * is_cfg.cap
         truncated = mask & (uncapped > is_cfg.cap) & (is_cfg.type != "none")
         assert torch.equal(out.truncated | edge, truncated | edge)
+
+
+@pytest.mark.parametrize(
+    ("is_type", "expected"),
+    [("token_mask", -1.0), ("seq_mask_geo", -1.0), ("icepop", -1.5), ("seq_icepop", -1.5)],
+)
+def test_rejection_sampling_vs_icepop_worked_example(is_type: str, expected: float) -> None:
+    # One token, rho = pi_prox / mu = 1.5, A = 1, pi = pi_prox, band [0.5, 2]: rejection sampling
+    # keeps the token at weight 1 (loss -1.0), IcePop at weight rho (loss -1.5, NeMo-RL's icepop).
+    prox = torch.tensor([[-1.0]], dtype=torch.float64)
+    behavior = prox - math.log(1.5)
+    logprobs = prox.clone().requires_grad_(True)
+    cfg = LossConfig(importance_sampling=ImportanceSamplingConfig(type=is_type, low=0.5, high=2.0, cap=2.0))
+    loss, m = compute_policy_loss(logprobs, prox, behavior, torch.ones(1, 1), torch.ones(1, 1), cfg)
+    assert float(loss.detach()) == pytest.approx(expected, rel=1e-12)
+    assert float(m["train/is_weight_mean"]) == pytest.approx(-expected, rel=1e-12)
+    # Out of the band (rho = 3 > 2) every one of them drops the token.
+    loss, m = compute_policy_loss(logprobs, prox, prox - math.log(3.0), torch.ones(1, 1), torch.ones(1, 1), cfg)
+    assert float(loss.detach()) == 0.0 and float(m["train/is_masked_token_frac"]) == 1.0
+
+
+@FAST
+@given(
+    batch=loss_batches(max_log_ratio=2.0),
+    cap=st.floats(0.5, 4.0),
+    low=st.floats(0.0, 0.95),
+    high=st.floats(1.05, 5.0),
+)
+def test_icepop_is_the_rejection_mask_times_the_truncated_ratio(batch, cap, low, high) -> None:
+    mask = batch.loss_mask
+    log_ratio = torch.where(mask, batch.prox_logprobs - batch.behavior_logprobs, 0.0)
+    ratio = torch.where(mask, log_ratio.exp().clamp(max=cap), 0.0)
+    for icepop, rejection in (("icepop", "token_mask"), ("seq_icepop", "seq_mask_geo")):
+        ice = build_is_correction(icepop)(log_ratio, mask, ImportanceSamplingConfig(type=icepop, cap=cap, low=low, high=high))
+        rej = build_is_correction(rejection)(log_ratio, mask, ImportanceSamplingConfig(type=rejection, low=low, high=high))
+        assert torch.equal(ice.kept, rej.kept)
+        torch.testing.assert_close(ice.weights, rej.weights * ratio, rtol=1e-12, atol=0)
+    # A band that keeps everything makes icepop token_tis.
+    wide = ImportanceSamplingConfig(type="icepop", cap=cap, low=0.0, high=1e9)
+    tis = build_is_correction("token_tis")(log_ratio, mask, wide)
+    ice = build_is_correction("icepop")(log_ratio, mask, wide)
+    assert torch.equal(ice.weights, tis.weights) and torch.equal(ice.truncated, tis.truncated)
 
 
 def test_ratio_on_a_clip_bound_takes_the_unclipped_branch() -> None:

@@ -226,3 +226,36 @@ def test_engine_killed_mid_run_training_continues(tiny_model_dir, tmp_path):
     assert admitted == (counts["replay/consumed"] + counts["replay/dropped_stale"] + counts["replay/released"]
                         + queued + counts["replay/in_flight"])
     assert counts["replay/consumed"] == steps_total * cfg.replay.groups_per_step
+
+
+def test_broadcast_refit_transport_on_cpu(tiny_model_dir, tmp_path):
+    """refit.transport=nccl runs its protocol over gloo on CPU: the learner's rank 0 and the vLLM
+    engine's worker form a group of their own, weights travel as one flat buffer, and afterwards
+    the engine scores exactly as the learner does."""
+    import ray
+
+    from agentrl.trainer import Trainer
+    from agentrl.trajectory import Trajectory
+
+    cfg = load_config(None, e2e_overrides(tiny_model_dir, tmp_path / "run", "refit.transport=nccl",
+                                          "train.num_steps=2", "rollout.num_actors=1"))
+    start_ray()
+    trainer = Trainer(cfg, progress=False)
+    try:
+        trainer.start()
+        assert trainer.transport == "nccl"
+        fixed = list(range(5, 45))
+        engine = trainer.engines[0]
+        before = ray.get(engine.score.remote(fixed))
+        trainer.run()
+        after = ray.get(engine.score.remote(fixed))
+        learner = ray.get(trainer.learner.logprobs.remote([Trajectory(
+            token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)]))[0]
+        assert ray.get(engine.version.remote()) == trainer.version == 2
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    changed = sum(abs(a - b) for a, b in zip(before[1:], after[1:])) / 39
+    agree = sum(abs(a - b) for a, b in zip(learner[1:], after[1:])) / 39
+    assert changed > 1e-3, "the broadcast refit did not change the engine's logprobs"
+    assert agree < 1e-3, f"engine and learner logprobs differ after a broadcast refit (mean abs {agree:.2e})"

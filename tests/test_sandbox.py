@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import ast
 import glob
 import os
+import sys
 import tempfile
 import time
 
 import pytest
+from agentrl.envs import (
+    PythonSandboxEnv,
+    SandboxLimits,
+    _sandbox_child,
+    python_sandbox,
+    run_sandboxed,
+    sandbox,
+)
+from agentrl.envs.sandbox import BwrapUnavailableError
+from hypothesis import given
+from hypothesis import strategies as st
 
 from agentrl.chat import format_tool_call
-from agentrl.envs import PythonSandboxEnv, SandboxLimits, python_sandbox, run_sandboxed
 
 LIMITS = SandboxLimits(cpu_time_s=1, wall_time_s=2.0, memory_mb=256, max_output_bytes=4096)
 ESCAPE = os.path.join(tempfile.gettempdir(), "agentrl-sandbox-escape-test.txt")
@@ -28,11 +40,11 @@ CASES = {  # name: (code, text the tool message must contain, seconds it may tak
                     "can't start new thread", 1.9),
     "100 MB of output": ("import sys\nfor _ in range(1600):\n    sys.stdout.write('x' * 65536)",
                          "[killed: output exceeded", 1.9),
-    "write outside": (f"open({ESCAPE!r}, 'w').write('escaped')", "writing outside the working directory", 1.0),
+    "write outside": (f"open({STDLIB_ESCAPE!r}, 'w').write('escaped')", "writing outside the working directory", 1.0),
     "os.open with dir_fd": ("import os\nfd = os.open(os.path.dirname(os.__file__), os.O_RDONLY)\n"
                             "os.open('agentrl-sandbox-escape-test.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
                             "writing outside the working directory", 1.0),
-    "rename outside": (f"open('a', 'w').close()\nimport os\nos.rename('a', {ESCAPE!r})",
+    "rename outside": (f"open('a', 'w').close()\nimport os\nos.rename('a', {STDLIB_ESCAPE!r})",
                        "os.rename outside the working directory", 1.0),
     "reading other processes": ("print(open('/proc/1/environ').read())", "reading outside the working", 1.0),
     "reading the env's hidden tests": (f"print(open({python_sandbox.__file__!r}).read())",
@@ -98,3 +110,76 @@ def test_traceback_shows_user_code_not_the_sandbox():
 def test_standard_library_still_works():
     code = "import json, re, math, itertools, collections, random, heapq, functools\nprint(json.dumps([math.pi > 3]))"
     assert run_sandboxed(code, LIMITS).describe() == "[true]"
+
+
+def test_the_program_sees_only_its_own_small_world():
+    code = ("import os\nprint(os.getuid(), os.getgid(), os.getcwd(), sorted(os.listdir('/')))\n"
+            "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
+            "print(os.path.exists('/etc'), os.path.exists('/usr/bin'), os.listdir('/tmp') == os.listdir('.'))\n"
+            "import socket\nprint(socket.if_nameindex())")
+    lines = run_sandboxed(code, SandboxLimits(audit_hook_layer=False)).output.splitlines()
+    top = set(ast.literal_eval(lines[0].split(" ", 3)[3]))
+    interpreter_root = sys.base_prefix.strip("/").split("/")[0]  # e.g. usr, or root for pyenv under /root
+    assert lines[0].startswith("65534 65534 /sandbox ") and "sandbox" in top
+    assert top <= {"tmp", ".agentrl", "sandbox", "dev", "proc", "lib", "lib64", "lib32", "usr", interpreter_root}
+    assert lines[1] in ("[1, 2]", "[1, 2, 3]")  # bwrap's init, the program (and nothing of the host)
+    assert lines[2] == "False False True" and lines[3] == "[(1, 'lo')]"
+
+
+def test_disk_cap_is_for_all_files_together():
+    limits = SandboxLimits(max_file_bytes=1 << 20, max_disk_bytes=4 << 20, audit_hook_layer=False)
+    code = ("total = 0\ntry:\n    for i in range(100):\n        open(f'f{i}', 'wb').write(b'x' * ((1 << 20) - 4096))\n"
+            "        total += (1 << 20) - 4096\nexcept OSError as e:\n    print(total, e.errno)")
+    total, errno = run_sandboxed(code, limits).output.split()
+    assert int(total) <= 4 << 20 and errno == "28"  # ENOSPC
+
+
+def test_unknown_backend_is_refused_with_a_suggestion():
+    with pytest.raises(ValueError, match="did you mean 'bwrap'"):
+        run_sandboxed("print(1)", LIMITS, backend="bwarp")
+    with pytest.raises(ValueError, match=r"env\.kwargs\.sandbox_backend.*did you mean 'audit_hook'"):
+        PythonSandboxEnv(sandbox_backend="audit-hook")
+
+
+def test_the_weaker_backend_runs_only_when_chosen():
+    assert run_sandboxed("print(1)", LIMITS, backend="audit_hook").describe() == "1"
+    env = PythonSandboxEnv(sandbox_backend="audit_hook")
+    env.reset(seed=0)
+    obs, *_ = env.step(format_tool_call("run_python", {"code": "import os\nprint(os.getuid() == 65534)"}))
+    assert obs[0]["content"] == "False"  # it ran as the caller: no user namespace, no uid 65534
+
+
+def test_missing_bwrap_is_a_clear_error_not_a_silent_downgrade(monkeypatch):
+    from agentrl.envs import _bwrap
+
+    _bwrap._check_once.cache_clear()
+    monkeypatch.setattr(_bwrap.shutil, "which", lambda name: None)
+    try:
+        with pytest.raises(BwrapUnavailableError, match="apt-get install bubblewrap.*backend='audit_hook'"):
+            run_sandboxed("print(1)", LIMITS)
+    finally:
+        monkeypatch.undo()
+        _bwrap._check_once.cache_clear()
+    assert run_sandboxed("print(1)", LIMITS).describe() == "1"
+
+
+@given(st.text(max_size=300), st.integers(1, 8))
+def test_result_lines_never_raise(text, num_inputs):
+    outputs, note = python_sandbox._parse_results(text, num_inputs)
+    assert (outputs == [] and note) or (len(outputs) == num_inputs and note == "")
+
+
+@given(st.lists(st.text(alphabet="abc_.", min_size=1, max_size=8), max_size=5), st.booleans(),
+       st.one_of(st.none(), st.integers(1, 10**6)))
+def test_child_config_round_trips(blocked, hook, nproc):
+    limits = SandboxLimits(blocked_modules=tuple(blocked))
+    config = _sandbox_child._parse_config(sandbox.encode_config(limits, nproc, hook))
+    assert config["blocked_modules"] == blocked and config["hook"] == int(hook) and config["nproc"] == nproc
+    assert config["memory_mb"] == limits.memory_mb and config["max_open_files"] == limits.max_open_files
+
+
+def test_seccomp_refuses_kernel_interfaces_a_program_does_not_need():
+    code = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "for nr in (101, 425, 321, 323):  # ptrace, io_uring_setup, bpf, userfaultfd\n"
+            "    print(libc.syscall(nr, 0, 0, 0, 0), ctypes.get_errno())")
+    assert run_sandboxed(code, SandboxLimits(audit_hook_layer=False)).output.split("\n")[:4] == ["-1 1"] * 4  # EPERM

@@ -41,12 +41,12 @@ def test_cli_reports_config_errors_with_the_key(tmp_path):
     assert "rollout.group_sise" in out.stderr and "rollout.group_size" in out.stderr
 
 
-def test_readme_config_reference_is_generated():
-    from agentrl.docs import BEGIN, END, config_reference
+def test_config_reference_is_generated():
+    from agentrl.docs import BEGIN, CONFIG_PAGE, END, config_reference
 
-    text = (REPO / "README.md").read_text()
+    text = (REPO / CONFIG_PAGE).read_text()
     block = text[text.index(BEGIN) + len(BEGIN): text.index(END)]
-    assert block.strip() == config_reference().strip(), "README config reference is stale: run python -m agentrl.docs"
+    assert block.strip() == config_reference().strip(), f"{CONFIG_PAGE} is stale: run python -m agentrl.docs"
 
 
 def test_bootstrap_tiny_model_and_template(tiny_model_dir):

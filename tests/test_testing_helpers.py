@@ -1,6 +1,8 @@
-"""The public checks of agentrl.testing catch broken losses, and the README example runs."""
+"""The public checks of agentrl.testing catch broken losses, and the losses guide's example runs."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,6 +10,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import ImportanceSamplingConfig, LossConfig
+from agentrl.docs import code_blocks
 from agentrl.losses import compute_policy_loss
 from agentrl.testing import (
     check_clipping,
@@ -21,31 +24,17 @@ from agentrl.testing import (
     trajectory_groups,
 )
 
-# ---------------------------------------------------------------- the README example, verbatim
+# ------------------------------------------------------- the example of docs/guides/losses.md, as written
+
+GUIDE = Path(__file__).resolve().parents[1] / "docs/guides/losses.md"
 
 
-# fmt: off
-def reinforce_tis_loss(logprobs, prox_logprobs, behavior_logprobs, advantages, loss_mask, cfg,
-                       *, ref_logprobs=None, num_tokens=None, num_sequences=None):
-    """REINFORCE with token-level truncated IS, averaged over the global batch's tokens."""
-    mask = loss_mask.bool()
-    # torch.where, not multiplication: NaN/inf in padding must reach neither loss nor gradient.
-    logp = torch.where(mask, logprobs, 0.0)
-    prox = torch.where(mask, prox_logprobs, 0.0).detach()
-    behavior = torch.where(mask, behavior_logprobs, 0.0).detach()
-    adv = torch.where(mask, advantages, 0.0)
-    weight = torch.exp(prox - behavior).clamp(max=cfg.importance_sampling.cap)
-    per_token = -weight * torch.exp(logp - prox) * adv
-    n = mask.sum() if num_tokens is None else num_tokens
-    return per_token.sum() / max(float(n), 1.0), {}
-
-
-def test_reinforce_tis_loss():
-    check_on_policy_gradient(reinforce_tis_loss)
-    check_masked_tokens_ignored(reinforce_tis_loss)
-    check_microbatch_invariance(reinforce_tis_loss)
-    check_importance_weights(reinforce_tis_loss)
-# fmt: on
+def test_guide_example_runs():
+    """The guide's "Test your own loss" block (marked doc-test for this file), executed as written."""
+    (block,) = [b for b in code_blocks(GUIDE) if b.mark == "doc-test" and b.mark_value.endswith("test_testing_helpers.py")]
+    namespace: dict = {}
+    exec(compile(block.code, block.where, "exec"), namespace)
+    namespace["test_reinforce_tis_loss"]()
 
 
 # ------------------------------------------------------------------------------------ broken losses

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from agentrl.config import EngineConfig
+    from agentrl.refit import RefitPayload
 
 __all__ = ["GenerationResult", "VLLMEngine"]
 
@@ -51,11 +52,14 @@ class VLLMEngine:
         seed: sampling seed of the engine.
     """
 
-    def __init__(self, model_path: str, cfg: "EngineConfig", *, dtype: str = "float32", seed: int = 0) -> None:
+    def __init__(self, model_path: str, cfg: "EngineConfig", *, dtype: str = "float32", seed: int = 0,
+                 enable_sleep_mode: bool = False) -> None:
         self.model_path = model_path
         self.cfg = cfg
         self.dtype = dtype
         self.seed = seed
+        self.enable_sleep_mode = enable_sleep_mode
+        self.sleeping = False
         self.version = 0
         self.num_inflight = 0
         self._llm = None
@@ -86,6 +90,7 @@ class VLLMEngine:
             logprobs_mode="processed_logprobs",
             enable_prefix_caching=True,
             worker_extension_cls="agentrl.engines.worker_ext.WeightSyncExtension",
+            enable_sleep_mode=self.enable_sleep_mode,
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
@@ -154,15 +159,52 @@ class VLLMEngine:
         return [0.0] + [float(d[t].logprob) for t, d in zip(token_ids[1:], plp[1:])]
 
     async def update_weights(
-        self, weights: dict[str, "torch.Tensor"], version: int, mode: Literal["drain", "continue"] = "continue"
+        self, weights: "dict[str, torch.Tensor] | RefitPayload", version: int,
+        mode: Literal["drain", "continue"] = "continue",
     ) -> float:
         """Swap in new weights and advance the version.
 
-        ``drain`` lets in-flight requests finish first; ``continue`` freezes them, swaps, and
-        resumes them on the new weights. Returns seconds spent paused."""
+        ``weights`` is a dict of CPU tensors (object-store transport) or a
+        :class:`agentrl.refit.RefitPayload` (CUDA IPC handle, or the layout of a broadcast the
+        learner sends at the same time). ``drain`` lets in-flight requests finish first;
+        ``continue`` freezes them, swaps, and resumes them on the new weights. While the engine
+        sleeps (colocated), the weights are loaded into the woken weight memory and the KV cache
+        is woken afterwards. Returns seconds spent paused."""
+        loop = asyncio.get_running_loop()
+        path = None
+        if isinstance(weights, dict):
+            path = await self._stage_file(weights, version)
+            method, args = "agentrl_load_weights", (str(path),)
+        elif weights.transport == "cuda_ipc":
+            method, args = "agentrl_load_ipc", (weights.handle, weights.spec)
+        else:
+            method, args = "agentrl_receive_weights", (weights.spec,)
+        t0 = loop.time()
+        try:
+            if self.sleeping:
+                await self.llm.wake_up(tags=["weights"])
+                await self.llm.collective_rpc(method, args=args)
+                await self.llm.wake_up(tags=["kv_cache"])  # fully awake: the scheduler resumes
+                self.sleeping = False
+                await self.llm.reset_prefix_cache()
+                self.version = version
+            else:
+                await self.llm.pause_generation(mode="wait" if mode == "drain" else "keep", clear_cache=False)
+                try:
+                    await self.llm.collective_rpc(method, args=args)
+                    # Cached prefixes hold KV computed with the old weights.
+                    await self.llm.reset_prefix_cache()
+                    self.version = version
+                finally:
+                    await self.llm.resume_generation()
+        finally:
+            if path is not None:
+                path.unlink(missing_ok=True)
+        return loop.time() - t0
+
+    async def _stage_file(self, weights: "dict[str, torch.Tensor]", version: int) -> Path:
         from safetensors.torch import save_file
 
-        loop = asyncio.get_running_loop()
         path = _shm_dir() / f"weights-v{version}.safetensors"
         tensors, seen = {}, set()
         for name, tensor in weights.items():
@@ -171,18 +213,39 @@ class VLLMEngine:
                 continue
             seen.add(tensor.data_ptr())
             tensors[name] = tensor.detach().contiguous()
-        await loop.run_in_executor(None, save_file, tensors, str(path))
+        await asyncio.get_running_loop().run_in_executor(None, save_file, tensors, str(path))
+        return path
+
+    async def sleep(self, level: int = 1) -> float:
+        """Drain in-flight requests and release GPU memory (colocated with the learner): level 1
+        offloads the weights to host memory and drops the KV cache; level 2 drops both (the next
+        :meth:`update_weights` or :meth:`wake_up` brings weights back). Returns seconds taken."""
+        if not self.enable_sleep_mode:
+            raise RuntimeError("sleep: the engine was started without sleep mode (colocate.engine_sleep)")
+        loop = asyncio.get_running_loop()
         t0 = loop.time()
-        await self.llm.pause_generation(mode="wait" if mode == "drain" else "keep", clear_cache=False)
-        try:
-            await self.llm.collective_rpc("agentrl_load_weights", args=(str(path),))
-            # Cached prefixes hold KV computed with the old weights.
-            await self.llm.reset_prefix_cache()
-            self.version = version
-        finally:
-            await self.llm.resume_generation()
-            path.unlink(missing_ok=True)
+        if not self.sleeping:
+            await self.llm.sleep(level=level, mode="wait")
+            self.sleeping = True
+            self.sleep_level = level
         return loop.time() - t0
+
+    async def wake_up(self) -> float:
+        """Wake from :meth:`sleep` with the weights it kept (level 1 only); returns seconds."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        if self.sleeping:
+            if getattr(self, "sleep_level", 1) >= 2:
+                raise RuntimeError("wake_up after a level-2 sleep needs new weights: use update_weights")
+            await self.llm.wake_up()
+            self.sleeping = False
+        return loop.time() - t0
+
+    async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                backend: str) -> list[int]:
+        """Join the refit broadcast group (nccl transport); returns the workers' ranks in it."""
+        return list(await self.llm.collective_rpc(
+            "agentrl_init_weight_group", args=(host, port, rank_offset, world_size, backend)))
 
     async def weight_checksum(self) -> float:
         return float((await self.llm.collective_rpc("agentrl_weight_checksum"))[0])

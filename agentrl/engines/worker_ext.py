@@ -2,7 +2,9 @@
 
 Mixed into every vLLM worker via ``worker_extension_cls`` and called through ``collective_rpc``.
 ``collective_rpc`` serializes its arguments (tensors would arrive as nested lists), so weights
-travel as a safetensors file path on the engine's host (under /dev/shm where it exists).
+travel as a safetensors file path on the engine's host (under /dev/shm where it exists), as a CUDA
+IPC handle of the learner's flat GPU buffer (same GPU), or through a broadcast in a process group
+of their own (:class:`agentrl.refit.WeightGroup`); see agentrl/refit.py.
 """
 
 from __future__ import annotations
@@ -24,6 +26,50 @@ class WeightSyncExtension:
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         self._agentrl_redispatch_tied_heads()
         return len(tensors)
+
+    def agentrl_load_ipc(self, handle: bytes, spec: bytes) -> int:
+        """Reload weights from views of the learner's flat GPU buffer, opened by CUDA IPC handle."""
+        import torch
+
+        from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+
+        layout = spec_from_bytes(spec)
+        buffer = open_ipc_handle(handle, self.device.index)
+        try:
+            self.model_runner.reload_weights(weights_iterator=unflatten_weights(buffer, layout),
+                                             is_checkpoint_format=True)
+            torch.cuda.synchronize()  # the learner may free the buffer once this returns
+        finally:
+            del buffer
+        return layout.num_tensors
+
+    def agentrl_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
+                                  backend: str, timeout_s: float = 300.0) -> int:
+        """Join the refit process group as rank ``rank_offset + this worker's rank``."""
+        from agentrl.refit import WeightGroup
+
+        rank = rank_offset + int(getattr(self, "rank", 0))
+        self._agentrl_group = WeightGroup(host, port, rank, world_size, backend=backend, timeout_s=timeout_s)
+        self._agentrl_recv = None
+        return rank
+
+    def agentrl_receive_weights(self, spec: bytes) -> int:
+        """Receive the learner's broadcast flat buffer and reload the weights from it."""
+        import torch
+
+        from agentrl.refit import spec_from_bytes, unflatten_weights
+
+        layout = spec_from_bytes(spec)
+        group = getattr(self, "_agentrl_group", None)
+        if group is None:
+            raise RuntimeError("agentrl_receive_weights: no refit group (agentrl_init_weight_group first)")
+        buf = self._agentrl_recv
+        if buf is None or buf.numel() != max(layout.nbytes, 1):  # the layout is the same every refit
+            buf = self._agentrl_recv = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, device=self.device)
+        group.broadcast(buf)
+        self.model_runner.reload_weights(weights_iterator=unflatten_weights(buf, layout), is_checkpoint_format=True)
+        self._agentrl_redispatch_tied_heads()
+        return layout.num_tensors
 
     def _agentrl_redispatch_tied_heads(self) -> None:
         # With tied embeddings the LM head shares the embedding parameter; its CPU GEMM packing is

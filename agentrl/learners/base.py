@@ -37,8 +37,9 @@ class Learner(Protocol):
         """Per-token logprobs of each trajectory under the current weights (0.0 at position 0)."""
         ...
 
-    def export_weights(self) -> dict[str, "torch.Tensor"]:
-        """Full (gathered) weights with Hugging Face parameter names, on CPU."""
+    def export_weights(self, device: str = "cpu") -> dict[str, "torch.Tensor"]:
+        """Full (gathered) weights with Hugging Face parameter names, on CPU (or on the learner's
+        GPU with ``device="cuda"``, for a CUDA IPC or NCCL refit)."""
         ...
 
     def save(self, path: str | Path) -> None:

@@ -148,7 +148,11 @@ class TorchLearner:
             out.append([float(x) for x in unpack(self._logprobs(self.model, packed), packed)[0]])
         return out
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
+    def export_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """HF-named weights: copies on CPU, or (``device="cuda"``, for a GPU refit) the model's own
+        GPU tensors, which the refit copies into its flat buffer."""
+        if torch.device(device).type == "cuda" and self.device.type == "cuda":
+            return {k: v.detach() for k, v in self.model.state_dict().items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
     def save(self, path: str | Path) -> None:

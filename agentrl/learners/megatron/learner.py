@@ -315,9 +315,9 @@ class MegatronLearner:
         results = self._from_last_stage(results)
         return [results[i] for i in range(len(trajectories))]
 
-    def export_weights(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights on CPU (collective over TP and PP; same on every rank)."""
-        return gather_hf_weights(self.model, self.shape)
+    def export_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Full HF-named weights on ``device`` (collective over TP and PP; same on every rank)."""
+        return gather_hf_weights(self.model, self.shape, device=self.device if str(device) == "cuda" else device)
 
     def save(self, path: str | Path) -> None:
         """HF model (safetensors + config + tokenizer) under ``path/model``; per-rank optimizer state."""

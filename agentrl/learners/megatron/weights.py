@@ -76,8 +76,9 @@ def load_hf_weights(model: Any, hf_state: dict[str, torch.Tensor], shape: ModelS
 
 
 @torch.no_grad()
-def gather_hf_weights(model: Any, shape: ModelShape) -> dict[str, torch.Tensor]:
-    """Full HF-named weights on CPU, assembled from all TP ranks and PP stages (collective)."""
+def gather_hf_weights(model: Any, shape: ModelShape, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """Full HF-named weights on ``device`` (CPU by default; the GPU for a CUDA IPC or NCCL refit),
+    assembled from all TP ranks and PP stages (collective)."""
     from megatron.core import parallel_state as ps
 
     tp_group = ps.get_tensor_model_parallel_group()
@@ -89,10 +90,10 @@ def gather_hf_weights(model: Any, shape: ModelShape) -> dict[str, torch.Tensor]:
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t.contiguous(), group=tp_group)
             for r in range(tp):
-                shards[r][name] = parts[r].cpu()
+                shards[r][name] = parts[r].to(device)
         full_stage = gather_tp(shards)
     else:
-        full_stage = {k: v.detach().cpu() for k, v in local.items()}
+        full_stage = {k: v.detach().to(device) for k, v in local.items()}
     first, _ = stage_layer_range(model)
     stage = globalize_layers(full_stage, first, drop_tied_copy=shape.tied_embeddings and not model.pre_process)
     pp_group = ps.get_pipeline_model_parallel_group()

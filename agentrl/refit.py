@@ -1,0 +1,244 @@
+"""Weight transports from the learner to the engines: object store, CUDA IPC, NCCL broadcast.
+
+A refit moves the learner's full Hugging Face-named weights into every engine. Three ways:
+
+- ``object_store``: CPU tensors through Ray's object store, written by the engine as a safetensors
+  file in shared memory and reloaded from there (CPU engines, any placement; the slow path).
+- ``cuda_ipc``: learner and engine on the same GPU (colocated). The learner packs its weights into
+  one flat GPU buffer and sends a CUDA IPC handle of it (a few hundred bytes); the engine's worker
+  opens the handle and reloads its weights from views of that buffer: no copy through the host.
+- ``nccl``: learner and engines on different GPUs or nodes. The learner's rank 0 and the engines'
+  workers form a process group of their own (not the learner's training group) and the flat buffer
+  is broadcast from the learner. On CPU the same protocol runs over gloo (tests).
+
+All three carry the same :class:`FlatSpec` (names, dtypes, shapes, byte offsets), so the engine side
+is one function that turns a flat buffer into ``(name, tensor)`` pairs. This module knows nothing
+of Ray or vLLM: the actors and the worker extension call it.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator, Literal
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "TRANSPORTS",
+    "FlatSpec",
+    "RefitPayload",
+    "WeightGroup",
+    "flatten_weights",
+    "ipc_handle",
+    "open_ipc_handle",
+    "resolve_transport",
+    "spec_from_bytes",
+    "spec_to_bytes",
+    "unflatten_weights",
+]
+
+Transport = Literal["object_store", "cuda_ipc", "nccl"]
+TRANSPORTS: dict[str, str] = {
+    "object_store": "CPU tensors through the Ray object store (any placement, slowest)",
+    "cuda_ipc": "a CUDA IPC handle of one flat GPU buffer (learner and engine on one GPU)",
+    "nccl": "a broadcast from the learner's rank 0 to the engines' workers (different GPUs or nodes)",
+}
+_ALIGN = 256  # byte alignment of each tensor inside the flat buffer (any dtype's views stay aligned)
+
+
+@dataclass(frozen=True)
+class FlatSpec:
+    """Where each named tensor lives inside a flat byte buffer."""
+
+    names: tuple[str, ...]
+    dtypes: tuple[str, ...]  # torch dtype names, e.g. "bfloat16"
+    shapes: tuple[tuple[int, ...], ...]
+    offsets: tuple[int, ...]  # byte offsets
+    nbytes: int  # total buffer size
+
+    @property
+    def num_tensors(self) -> int:
+        return len(self.names)
+
+
+def resolve_transport(requested: str, *, engine_on_gpu: bool, same_gpu: bool) -> Transport:
+    """The transport a refit uses.
+
+    ``auto`` picks ``cuda_ipc`` when learner and engines share one GPU, ``nccl`` when the engines
+    are on GPUs of their own, and ``object_store`` on CPU. An explicit choice that cannot work
+    raises ``ValueError`` naming the config key.
+
+    Example:
+        >>> resolve_transport("auto", engine_on_gpu=True, same_gpu=True)
+        'cuda_ipc'
+        >>> resolve_transport("auto", engine_on_gpu=False, same_gpu=False)
+        'object_store'
+    """
+    if requested == "auto":
+        if not engine_on_gpu:
+            return "object_store"
+        return "cuda_ipc" if same_gpu else "nccl"
+    if requested not in TRANSPORTS:
+        raise ValueError(f"refit.transport: unknown transport '{requested}' (allowed: auto, {', '.join(TRANSPORTS)})")
+    if requested == "cuda_ipc" and not (engine_on_gpu and same_gpu):
+        raise ValueError("refit.transport=cuda_ipc needs the engines and the learner on the same GPU "
+                         "(colocate.enabled=true with GPU engines); use auto, nccl or object_store")
+    return requested  # type: ignore[return-value]
+
+
+def flatten_weights(weights: dict[str, "torch.Tensor"], device: "torch.device | str | None" = None,
+                    *, skip_shared: bool = True) -> tuple["torch.Tensor", FlatSpec]:
+    """Copy ``weights`` into one uint8 buffer (on ``device``, default: the first tensor's).
+
+    A tensor that is the very same memory as an earlier one (same address, shape and dtype: tied
+    embeddings) is left out when ``skip_shared``: the engine's loader ties them again. Views of
+    one storage at different places (q/k/v split from a fused QKV weight) are all kept.
+
+    Example:
+        >>> import torch
+        >>> buf, spec = flatten_weights({"a": torch.ones(3), "b": torch.zeros(2, dtype=torch.bfloat16)})
+        >>> [(n, tuple(t.shape)) for n, t in unflatten_weights(buf, spec)]
+        [('a', (3,)), ('b', (2,))]
+    """
+    import torch
+
+    items, seen = [], set()
+    for name, tensor in weights.items():
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if skip_shared and tensor.numel() and key in seen:
+            continue
+        if tensor.numel():
+            seen.add(key)
+        items.append((name, tensor.detach()))
+    offsets, pos = [], 0
+    for _, t in items:
+        pos = -(-pos // _ALIGN) * _ALIGN
+        offsets.append(pos)
+        pos += t.numel() * t.element_size()
+    device = torch.device(device) if device is not None else (items[0][1].device if items else torch.device("cpu"))
+    buffer = torch.empty(max(pos, 1), dtype=torch.uint8, device=device)
+    for (_, t), off in zip(items, offsets):
+        nbytes = t.numel() * t.element_size()
+        if nbytes:
+            buffer[off:off + nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8), non_blocking=True)
+    spec = FlatSpec(
+        names=tuple(n for n, _ in items),
+        dtypes=tuple(str(t.dtype).removeprefix("torch.") for _, t in items),
+        shapes=tuple(tuple(t.shape) for _, t in items),
+        offsets=tuple(offsets),
+        nbytes=pos,
+    )
+    return buffer, spec
+
+
+def unflatten_weights(buffer: "torch.Tensor", spec: FlatSpec) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """``(name, tensor)`` views into ``buffer`` as laid out by :func:`flatten_weights` (no copies)."""
+    import math
+
+    import torch
+
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < spec.nbytes:
+        raise ValueError(f"refit buffer: expected a flat uint8 buffer of >= {spec.nbytes} bytes, "
+                         f"got {buffer.dtype} {tuple(buffer.shape)}")
+    for name, dtype, shape, off in zip(spec.names, spec.dtypes, spec.shapes, spec.offsets):
+        dt = getattr(torch, dtype)
+        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
+        yield name, buffer[off:off + nbytes].view(dt).view(shape)
+
+
+def ipc_handle(buffer: "torch.Tensor") -> bytes:
+    """A picklable CUDA IPC handle of ``buffer`` (the buffer must outlive every reader's use)."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    if buffer.device.type != "cuda":
+        raise ValueError("cuda_ipc refit: the flat weight buffer must be on a CUDA device")
+    return pickle.dumps(reduce_tensor(buffer))
+
+
+def open_ipc_handle(handle: bytes, device_index: int | None = None) -> "torch.Tensor":
+    """The tensor behind an :func:`ipc_handle`, opened in this process.
+
+    ``device_index`` is the local CUDA index of the shared GPU in this process (the handle records
+    the sender's index, which differs when the two processes see different CUDA_VISIBLE_DEVICES).
+    """
+    import torch
+
+    rebuild, args = pickle.loads(handle)
+    if device_index is None:
+        device_index = torch.cuda.current_device()
+    args = list(args)
+    args[6] = device_index  # rebuild_cuda_tensor's storage_device argument
+    return rebuild(*args)
+
+
+class WeightGroup:
+    """A process group of its own between the learner's rank 0 (rank 0 here) and the engines'
+    workers (ranks 1..), for broadcasting weights; independent of any default group.
+
+    Args:
+        host, port: where rank 0 serves the rendezvous store.
+        rank, world_size: this process's place in the group.
+        backend: ``nccl`` for CUDA buffers, ``gloo`` for CPU ones.
+        timeout_s: how long a rendezvous or a collective may take.
+    """
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, *, backend: str = "nccl",
+                 timeout_s: float = 300.0) -> None:
+        import datetime
+
+        import torch.distributed as dist
+
+        self.rank, self.world_size, self.backend = rank, world_size, backend
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        prefixed = dist.PrefixStore("agentrl-refit", store)
+        self._store = store  # the master store must live as long as the group
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        elif backend == "nccl":
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        else:
+            raise ValueError(f"WeightGroup: backend must be nccl or gloo, got {backend!r}")
+
+    def broadcast(self, buffer: "torch.Tensor") -> None:
+        """Broadcast ``buffer`` in place from rank 0 to every rank (same size everywhere)."""
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        self.pg.broadcast([buffer], opts).wait()
+
+    def close(self) -> None:
+        import contextlib
+
+        with contextlib.suppress(Exception):
+            self.pg.shutdown() if hasattr(self.pg, "shutdown") else None
+        self.pg = None
+
+
+def spec_to_bytes(spec: FlatSpec) -> bytes:
+    """A FlatSpec as bytes (collective_rpc serializes arguments; plain bytes pass unchanged)."""
+    return pickle.dumps(spec)
+
+
+def spec_from_bytes(blob: bytes | FlatSpec) -> FlatSpec:
+    return blob if isinstance(blob, FlatSpec) else pickle.loads(blob)
+
+
+def describe(spec: FlatSpec) -> dict[str, Any]:
+    return {"refit/tensors": float(spec.num_tensors), "refit/gigabytes": spec.nbytes / 1e9}
+
+
+@dataclass(frozen=True)
+class RefitPayload:
+    """What travels to an engine for a GPU refit: the layout, and for cuda_ipc the handle.
+
+    For ``object_store`` the weights themselves travel instead (a dict of CPU tensors)."""
+
+    transport: Transport
+    spec: bytes  # spec_to_bytes(FlatSpec)
+    handle: bytes | None = None  # cuda_ipc only

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The GPU pipeline on the device machine (issue 16). First the three-call carry of vLLM, Ray and the
+# project's extra wheels into /tmp/site (../shared/device/vllm/README.md); then, from the repo root:
+#   bash bench/device_e2e.sh tests   # tests/test_gpu_e2e.py: CUDA-IPC refit, sleep/wake memory,
+#                                    # colocated engine + Megatron learner logprob agreement
+#   bash bench/device_e2e.sh train   # agentrl train configs/gpu_1x.yaml (TRAIN_ARGS: extra overrides)
+#   bash bench/device_e2e.sh bench   # bench/gpu_e2e.py (BENCH_ARGS: its options)
+# Steps can be combined: bash bench/device_e2e.sh tests train. Everything lands in $OUT.
+set -o pipefail
+[ -d /tmp/site/vllm ] || { echo "device_e2e: /tmp/site/vllm is missing: run the three carry calls first"; exit 3; }
+# The source tree is used in place: envs/ and actors/ appear as agentrl.envs / agentrl.actors
+# through links (an installed package gets them from setuptools' package-dir).
+[ -e agentrl/envs ] || ln -s ../envs agentrl/envs
+[ -e agentrl/actors ] || ln -s ../actors agentrl/actors
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, vllm, ray, megatron.core as m; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'mcore', m.__version__)"
+rc=0
+for step in "$@"; do
+  case $step in
+    tests) AGENTRL_GPU_REPORT="$OUT/gpu_e2e_tests.json" python3 -m pytest -q -x -s -p no:cacheprovider \
+             tests/test_gpu_e2e.py -rA 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/tests.log" || rc=1 ;;
+    train) ( time python3 -c "import sys; from agentrl.cli import main; sys.exit(main())" train configs/gpu_1x.yaml \
+             --no-progress ${TRAIN_ARGS:-} ) 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/train.log" || rc=1
+           run_dir=$(python3 -c "from agentrl.config import load_config; import sys; print(load_config('configs/gpu_1x.yaml', sys.argv[1:]).run_dir)" ${TRAIN_ARGS:-})
+           cp "$run_dir/summary.json" "$OUT/train_summary.json" 2>/dev/null
+           cp "$run_dir/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null ;;
+    bench) python3 bench/gpu_e2e.py --out "$OUT/gpu_e2e.json" ${BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
+             | tee "$OUT/bench.log" || rc=1 ;;
+    *) echo "device_e2e: unknown step '$step' (tests | train | bench)"; rc=2 ;;
+  esac
+done
+exit $rc
