@@ -102,7 +102,7 @@ class RolloutActor:
             try:
                 group = await run_group(
                     self.make_env, self.renderer, self.router, seed=seed, cfg=self.cfg.rollout,
-                    group_id=gid, env_timeout=self.cfg.env.step_timeout_s,
+                    group_id=gid, env_timeout=self.cfg.env.step_timeout_s, max_model_len=self.cfg.engine.max_model_len,
                 )
             except Exception:
                 self.num_failed_groups += 1
@@ -138,6 +138,7 @@ class RolloutActor:
             g = await run_group(
                 self.make_env, self.renderer, self.router, seed=seed_offset + k, cfg=self.cfg.rollout,
                 group_id=-(k + 1), env_timeout=self.cfg.env.step_timeout_s, temperature=temperature, num_episodes=1,
+                max_model_len=self.cfg.engine.max_model_len,
             )
             results.extend(g.trajectories)
             self.router.end_episode(f"g{-(k + 1)}-e0")

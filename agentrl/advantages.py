@@ -178,7 +178,7 @@ def trajectory_token_advantages(group: TrajectoryGroup, cfg: AdvantageConfig) ->
     ``G_k`` is turn k's return-to-go (:func:`turn_returns`; a turn without a reward of its own has
     the return-to-go of the rewards after it, 0 past the last one). Prompt and observation tokens
     get 0. A trajectory without ``turn_spans`` is one turn. Failed trajectories take no part in the
-    baseline and get all zeros.
+    baseline and get all zeros, as do those ``rollout.overlong = mask`` leaves out.
 
     Args:
         group: the G episodes of one task.
@@ -188,7 +188,7 @@ def trajectory_token_advantages(group: TrajectoryGroup, cfg: AdvantageConfig) ->
         One list per trajectory (in ``group.trajectories`` order), as long as its ``token_ids``.
     """
     out = [[0.0] * len(t) for t in group.trajectories]
-    live = [i for i, t in enumerate(group.trajectories) if t.status != "failed"]
+    live = [i for i, t in enumerate(group.trajectories) if t.trainable]
     if not live:
         return out
     per_turn = [turn_returns(group.trajectories[i].turn_rewards, cfg.turn_discount) for i in live]

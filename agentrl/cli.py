@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--family", choices=["qwen2", "qwen3", "llama3", "mistral"], default="qwen2",
                    help="architecture, special tokens and chat-template format (default: qwen2)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--context-length", type=int, default=4096, help="max_position_embeddings")
+    p.add_argument("--rope-theta", type=float, default=10000.0)
 
     p = sub.add_parser("plot", help="write PNG plots of a run directory")
     p.add_argument("run_dir")
@@ -105,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bootstrap-tiny":
             from agentrl.tiny import bootstrap_tiny
 
-            print(bootstrap_tiny(args.dir, seed=args.seed, family=args.family))
+            print(bootstrap_tiny(args.dir, seed=args.seed, family=args.family, max_position_embeddings=args.context_length,
+                                 rope_theta=args.rope_theta))
         elif args.command == "plot":
             from agentrl.plot import plot_run
 

@@ -66,6 +66,11 @@ class TinyModelConfig(Section):
     """Key/value heads (grouped-query attention; num_heads must be a multiple)."""
     intermediate_size: int = Field(384, ge=8)
     """MLP width."""
+    max_position_embeddings: int = Field(4096, ge=64)
+    """Context the tiny model (and vLLM serving it) accepts; 16384 for the long-context recipe."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """Rotary base; larger for long contexts, so some rotary dimensions stay nearly still over the
+    whole window and attention can match content at any distance."""
 
     @model_validator(mode="after")
     def _heads(self) -> "TinyModelConfig":
@@ -129,7 +134,16 @@ class RolloutConfig(Section):
     max_turns: int = Field(4, ge=1)
     """Assistant turns before the episode is truncated."""
     max_total_tokens: int = Field(1024, ge=16)
-    """Trajectory length cap (prompt + all turns); longer episodes are truncated."""
+    """Trajectory length cap (prompt + all turns); longer episodes are truncated. The engine's
+    max_model_len caps it too: an episode that reaches the smaller of the two ends as truncated."""
+    overlong: Literal["zero_reward", "mask", "keep"] = "zero_reward"
+    """What a trajectory cut by the token cap (not by max_turns) is trained as. zero_reward: its
+    rewards are set to 0 (an unfinished answer is a wrong one); mask: it is left out of the loss
+    and of its group's baseline (DAPO's overlong filtering); keep: its rewards stay as the env gave
+    them. The turn cut short by the cap is never sent to the env."""
+    max_observation_tokens: int | None = Field(None, ge=16)
+    """Cap on one tool message's content, in tokens: longer tool outputs are cut there and end
+    with a marker saying how much was cut. None: no cap beyond the env's own."""
     seed_offset: int = 0
     """Training tasks use env seeds `seed_offset + k`; eval seeds live elsewhere."""
     resources: dict[str, float] = Field(default_factory=dict)
@@ -433,6 +447,9 @@ class SFTConfig(Section):
     """Demonstrations use env seeds from here on, apart from RL training and eval seeds."""
     expert_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Keyword arguments of the env's `expert(seed, ...)` (e.g. `guess_prob` for Calculator)."""
+    env_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Env keyword arguments for the demonstrations only, over `env.kwargs` (e.g. shorter pages
+    for LongRecall: the skill is learned on cheap short episodes, then used on long ones)."""
     output_dir: str = ".cache/sft-model"
     """Where the warm-started model is written (HF format); reused when present."""
 

@@ -16,7 +16,7 @@ from agentrl.chat import ChatRenderer
 from agentrl.config import RolloutConfig
 from agentrl.trajectory import Trajectory, TrajectoryGroup
 
-__all__ = ["EngineClient", "EpisodeFailed", "run_episode", "run_group", "summarize"]
+__all__ = ["EngineClient", "EpisodeFailed", "cap_tool_outputs", "run_episode", "run_group", "summarize"]
 
 
 class EngineClient(Protocol):
@@ -69,6 +69,24 @@ async def _env_step(env: Any, action: str, timeout: float):
         raise EpisodeFailed(f"env raised {type(exc).__name__}: {exc}") from exc
 
 
+def cap_tool_outputs(messages: list[dict], renderer: ChatRenderer, max_tokens: int | None) -> list[dict]:
+    """``messages`` with every tool message's content cut to ``max_tokens`` tokens, plus a marker
+    that says how many were cut (``rollout.max_observation_tokens``); other messages unchanged."""
+    if max_tokens is None:
+        return messages
+    out = []
+    for msg in messages:
+        content = msg.get("content")
+        if msg.get("role") == "tool" and isinstance(content, str):
+            ids = renderer.encode(content)
+            if len(ids) > max_tokens:
+                kept = renderer.tokenizer.decode(ids[:max_tokens])
+                msg = {**msg, "content": f"{kept}\n[tool output cut: {len(ids) - max_tokens} of {len(ids)} tokens "
+                                       "not shown (rollout.max_observation_tokens)]"}
+        out.append(msg)
+    return out
+
+
 async def run_episode(
     env: Any,
     renderer: ChatRenderer,
@@ -79,8 +97,16 @@ async def run_episode(
     episode_id: str,
     env_timeout: float = 30.0,
     temperature: float | None = None,
+    max_model_len: int | None = None,
 ) -> Trajectory:
-    """Play one episode; never raises for env errors (the trajectory is marked ``failed``)."""
+    """Play one episode; never raises for env errors (the trajectory is marked ``failed``).
+
+    The episode's token limit is the smaller of ``cfg.max_total_tokens`` and the engine's
+    ``max_model_len``. An episode that reaches it ends as ``truncated`` with
+    ``info["truncated_by"] == "tokens"`` (the turn the limit cut short is kept, closed, and never
+    sent to the env), and ``cfg.overlong`` decides what it is trained as. An episode that runs out
+    of turns ends as ``truncated`` with ``info["truncated_by"] == "turns"``.
+    """
     env_id = getattr(getattr(env, "spec", None), "id", "") or ""
     traj_info: dict[str, Any] = {}
     spans: list[tuple[int, int]] = []
@@ -89,13 +115,15 @@ async def run_episode(
     status = "ok"
     ep = _Episode([], [], [], [])
     temp = cfg.temperature if temperature is None else temperature
+    limit = min(cfg.max_total_tokens, max_model_len or cfg.max_total_tokens)
     try:
         obs, info = await _env_call(env.reset, seed=seed, timeout=env_timeout)
         ep.extend(renderer.prompt_ids(obs, info.get("tools")), sampled=False)
-        if len(ep.ids) >= cfg.max_total_tokens:
-            raise EpisodeFailed(f"prompt of {len(ep.ids)} tokens leaves no room (rollout.max_total_tokens)")
+        if len(ep.ids) >= limit:
+            raise EpisodeFailed(f"prompt of {len(ep.ids)} tokens leaves no room (rollout.max_total_tokens = "
+                                f"{cfg.max_total_tokens}, engine.max_model_len = {max_model_len})")
         for turn in range(cfg.max_turns):
-            budget = min(cfg.max_new_tokens, cfg.max_total_tokens - len(ep.ids))
+            budget = min(cfg.max_new_tokens, limit - len(ep.ids))
             try:
                 out = await client.generate(
                     ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id
@@ -105,6 +133,13 @@ async def run_episode(
             start = len(ep.ids)
             ep.extend(out.token_ids, sampled=True, logprobs=out.logprobs, versions=out.versions)
             spans.append((start, len(ep.ids)))
+            ended = bool(out.token_ids) and out.token_ids[-1] in renderer.stop_token_ids
+            if budget < cfg.max_new_tokens and not ended and len(out.token_ids) >= budget:
+                # Cut by the token limit, not by the per-turn cap: an unfinished action is never
+                # scored or run as if complete.
+                rewards.append(0.0)
+                status, traj_info["truncated_by"] = "truncated", "tokens"
+                break
             text = renderer.decode(out.token_ids)
             obs, reward, terminated, truncated, step_info = await _env_step(env, text, env_timeout)
             rewards.append(float(reward))
@@ -113,13 +148,13 @@ async def run_episode(
             if terminated:
                 break
             if truncated or turn == cfg.max_turns - 1:
-                status = "truncated"
+                status, traj_info["truncated_by"] = "truncated", "turns"
                 break
             # Close an assistant turn that hit max_tokens, then the observation delta.
-            closing = [] if out.token_ids and out.token_ids[-1] in renderer.stop_token_ids else [renderer.end_of_turn_id]
-            delta = closing + renderer.observation_delta_ids(obs)
-            if len(ep.ids) + len(delta) >= cfg.max_total_tokens:
-                status = "truncated"
+            closing = [] if ended else [renderer.end_of_turn_id]
+            delta = closing + renderer.observation_delta_ids(cap_tool_outputs(obs, renderer, cfg.max_observation_tokens))
+            if len(ep.ids) + len(delta) >= limit:
+                status, traj_info["truncated_by"] = "truncated", "tokens"
                 break
             ep.extend(delta, sampled=False)
     except EpisodeFailed as exc:
@@ -127,6 +162,12 @@ async def run_episode(
         traj_info["error"] = str(exc)
     if status != "failed":
         traj_info.setdefault("success", bool(traj_info.get("success", False)))
+    if traj_info.get("truncated_by") == "tokens":
+        traj_info["success"] = False
+        if cfg.overlong == "zero_reward":
+            rewards = [0.0] * len(rewards)
+        elif cfg.overlong == "mask":
+            traj_info["loss_excluded"] = True
     return Trajectory(
         token_ids=ep.ids,
         loss_mask=ep.mask,
@@ -153,6 +194,7 @@ async def run_group(
     env_timeout: float = 30.0,
     temperature: float | None = None,
     num_episodes: int | None = None,
+    max_model_len: int | None = None,
 ) -> TrajectoryGroup:
     """G episodes of the same task (same env seed), concurrently."""
     n = num_episodes or cfg.group_size
@@ -163,7 +205,7 @@ async def run_group(
         try:
             results[i] = await run_episode(
                 env, renderer, client, seed=seed, cfg=cfg, episode_id=f"g{group_id}-e{i}",
-                env_timeout=env_timeout, temperature=temperature,
+                env_timeout=env_timeout, temperature=temperature, max_model_len=max_model_len,
             )
         finally:
             try:
@@ -194,5 +236,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
         "rollout/tokens": sum(len(t) for t in ok) / n,
         "rollout/failed_frac": (len(trajectories) - len(ok)) / len(trajectories),
         "rollout/truncated_frac": sum(t.status == "truncated" for t in ok) / n,
+        "rollout/overlong_frac": sum(t.info.get("truncated_by") == "tokens" for t in ok) / n,
+        "rollout/tokens_max": float(max((len(t) for t in ok), default=0)),
     }
 

@@ -9,6 +9,7 @@ settings reuses ``sft.output_dir``.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 import random
 import shutil
@@ -61,6 +62,8 @@ def build_demonstrations(
             raise ValueError(f"{env_id}'s expert takes no tool_parser argument: it cannot write calls in the "
                              f"{tool_parser.name} format (rollout.tool_parser)")
         expert_kwargs = {**expert_kwargs, "tool_parser": tool_parser.name}
+    if "env_kwargs" in inspect.signature(expert).parameters:  # its task depends on the env's settings
+        expert_kwargs = {"env_kwargs": dict(env_kwargs or {}), **expert_kwargs}
     demos = []
     for seed in seeds:
         obs, info = env.reset(seed=seed)
@@ -120,7 +123,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     renderer = ChatRenderer(tokenizer)
     parser = build_tool_parser(cfg.rollout.tool_parser, base, tokenizer)
     seeds = [sc.seed_offset + k for k in range(sc.num_demos)]
-    demos = build_demonstrations(cfg.env.id, renderer, seeds, cfg.env.kwargs, parser, **sc.expert_kwargs)
+    demos = build_demonstrations(cfg.env.id, renderer, seeds, {**cfg.env.kwargs, **sc.env_kwargs}, parser, **sc.expert_kwargs)
     # On a GPU machine (learner.num_gpus > 0) SFT runs on the GPU, in float32 weights (a tiny
     # model: master precision costs nothing there); the engines cast to model.dtype on load.
     device = torch.device("cuda" if torch.cuda.is_available() and cfg.learner.num_gpus else "cpu")

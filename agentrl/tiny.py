@@ -125,11 +125,16 @@ def bootstrap_tiny(
     num_kv_heads: int = 2,
     intermediate_size: int = 384,
     max_position_embeddings: int = 4096,
+    rope_theta: float = 10000.0,
     seed: int = 0,
     corpus: list[str] | None = None,
 ) -> Path:
     """Write a tiny random model of ``family`` (qwen2, qwen3, llama3, mistral), its tokenizer and
     chat template to ``out_dir``.
+
+    ``max_position_embeddings`` is the context the model (and vLLM serving it) accepts; for long
+    contexts a larger ``rope_theta`` keeps some rotary dimensions nearly still over the whole
+    window, so attention can match content at any distance.
 
     Example:
         >>> path = bootstrap_tiny("/tmp/tiny-llama3", family="llama3")  # doctest: +SKIP
@@ -166,7 +171,7 @@ def bootstrap_tiny(
         num_key_value_heads=num_kv_heads,
         head_dim=hidden_size // num_heads,
         max_position_embeddings=max_position_embeddings,
-        rope_theta=10000.0,
+        rope_theta=float(rope_theta),
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id if spec.bos else tokenizer.pad_token_id,
         eos_token_id=stop_ids if len(stop_ids) > 1 else stop_ids[0],

@@ -67,6 +67,12 @@ class Trajectory:
     def success(self) -> bool:
         return bool(self.info.get("success", self.reward > 0))
 
+    @property
+    def trainable(self) -> bool:
+        """Whether the loss and its group's baseline see this trajectory: not failed, and not left
+        out by ``rollout.overlong = mask`` (``info["loss_excluded"]``)."""
+        return self.status != "failed" and not self.info.get("loss_excluded", False)
+
 
 @dataclass
 class TrajectoryGroup:
@@ -94,5 +100,6 @@ class TrajectoryGroup:
         return sum(len(t) for t in self.trajectories)
 
     def trainable(self) -> list[Trajectory]:
-        """Trajectories that may be trained on (failed episodes never are)."""
-        return [t for t in self.trajectories if t.status != "failed"]
+        """Trajectories that may be trained on (failed episodes never are, nor overlong ones
+        under ``rollout.overlong = mask``)."""
+        return [t for t in self.trajectories if t.trainable]

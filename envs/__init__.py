@@ -1,4 +1,4 @@
-"""Environments: ``TextEnv``, ``ToolEnv`` with ``@tool`` methods, a sandbox, and five built-in envs.
+"""Environments: ``TextEnv``, ``ToolEnv`` with ``@tool`` methods, a sandbox, and six built-in envs.
 
 Importing this package registers the built-ins with Gymnasium::
 
@@ -16,6 +16,7 @@ import gymnasium
 from agentrl.envs.base import MAX_ACTION_CHARS, ChatMessages, Message, TextEnv, ToolEnv, Turn
 from agentrl.envs.calculator import CalculatorEnv
 from agentrl.envs.file_navigator import FileNavigatorEnv
+from agentrl.envs.long_recall import LongRecallEnv
 from agentrl.envs.python_sandbox import PythonSandboxEnv
 from agentrl.envs.sandbox import BwrapUnavailableError, SandboxLimits, SandboxResult, run_sandboxed
 from agentrl.envs.search import SearchEnv
@@ -29,6 +30,7 @@ __all__ = [
     "CalculatorEnv",
     "ChatMessages",
     "FileNavigatorEnv",
+    "LongRecallEnv",
     "Message",
     "PythonSandboxEnv",
     "SandboxLimits",
@@ -49,6 +51,7 @@ _BUILTINS = {
     "PythonSandbox": "agentrl.envs.python_sandbox:PythonSandboxEnv",
     "Wordle": "agentrl.envs.wordle:WordleEnv",
     "FileNavigator": "agentrl.envs.file_navigator:FileNavigatorEnv",
+    "LongRecall": "agentrl.envs.long_recall:LongRecallEnv",
 }
 BUILTIN_ENV_IDS = tuple(f"agentrl/{name}-v0" for name in _BUILTINS)
 

@@ -21,3 +21,27 @@ class SayNumberEnv(TextEnv):
 
 
 gymnasium.register(id="SayNumber-v0", entry_point=SayNumberEnv)
+
+
+class LongObservationEnv(TextEnv):
+    """Every reply gets back a long tool-style observation (``words`` filler words); the episode
+    ends after ``num_turns`` replies, reward 1 when the last one holds a digit. Whatever a random
+    policy says, the episode runs all its turns: trajectories of many thousand tokens."""
+
+    def __init__(self, *, num_turns: int = 4, words: int = 2000) -> None:
+        super().__init__(max_turns=num_turns)
+        self.num_turns_total, self.words = num_turns, words
+
+    def new_task(self, rng, options):
+        self.rng = rng
+        return [{"role": "user", "content": f"Read {self.num_turns_total - 1} long pages, then say a number."}]
+
+    def respond(self, action: str) -> Turn:
+        if self.num_turns >= self.num_turns_total:
+            hit = any(c.isdigit() for c in action)
+            return Turn([], reward=float(hit), terminated=True, success=hit)
+        filler = " ".join(self.rng.choice(("the", "page", "and", "more", "word", "text")) for _ in range(self.words))
+        return Turn([{"role": "tool", "content": f"page {self.num_turns}: {filler}"}])
+
+
+gymnasium.register(id="LongObservation-v0", entry_point=LongObservationEnv)

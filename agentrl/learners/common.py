@@ -47,7 +47,7 @@ def build_samples(groups: list["TrajectoryGroup"], adv_cfg: "AdvantageConfig") -
     samples = []
     for group in groups:
         for traj, adv in zip(group.trajectories, trajectory_token_advantages(group, adv_cfg)):
-            if traj.status == "failed" or traj.num_sampled_tokens == 0:
+            if not traj.trainable or traj.num_sampled_tokens == 0:
                 continue
             samples.append(
                 TrainSample(traj.token_ids, traj.loss_mask, traj.behavior_logprobs, adv, traj.policy_versions)

@@ -1,0 +1,89 @@
+"""Diagnose a LongRecall-v0 policy: held-out greedy success by the page that holds the asked fact,
+trajectory lengths, and the same episodes with the fact lines of all pages but the last removed
+(``--cut``), which shows whether success comes from content read thousands of tokens earlier.
+
+    python tools/long_recall_diag.py --model .cache/long-context-sft --episodes 48 --cut
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from collections import defaultdict
+from typing import Any
+
+
+def _cut_env(kwargs: dict[str, Any]):
+    from agentrl.envs.long_recall import LongRecallEnv
+
+    class CutLongRecall(LongRecallEnv):
+        """Pages before the last lose their fact line (filler and question unchanged)."""
+
+        def new_task(self, rng, options):
+            messages = super().new_task(rng, options)
+            for i, (name, value) in enumerate(self.facts[:-1]):
+                self.pages[i] = self.pages[i].replace(f"\n{name} = {value}", "")
+            return messages
+
+    return CutLongRecall(**kwargs)
+
+
+async def _run(args: argparse.Namespace) -> dict[str, Any]:
+    import anyio
+    import gymnasium as gym
+    from transformers import AutoTokenizer
+
+    import agentrl.envs  # noqa: F401
+    from agentrl.chat import ChatRenderer
+    from agentrl.config import EngineConfig, RolloutConfig
+    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.evaluate import _LocalClient
+    from agentrl.rollout import run_episode
+
+    env_kwargs = json.loads(args.env_kwargs)
+    cfg = RolloutConfig(max_new_tokens=32, max_turns=env_kwargs.get("num_pages", 4) + 2, max_total_tokens=16384)
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(args.model))
+    engine = VLLMEngine(args.model, EngineConfig(max_model_len=16384, kv_cache_gib=2.0))
+    await engine.start()
+    client = _LocalClient(engine)
+    out: dict[str, Any] = {}
+    try:
+        for mode in ["full", "cut"] if args.cut else ["full"]:
+            by_page: dict[int, list[float]] = defaultdict(list)
+            lengths: list[int] = []
+            limiter = anyio.CapacityLimiter(16)
+
+            async def one(k: int) -> None:
+                async with limiter:
+                    env = _cut_env(env_kwargs) if mode == "cut" else gym.make("agentrl/LongRecall-v0", **env_kwargs)
+                    traj = await run_episode(env, renderer, client, seed=args.seed_offset + k, cfg=cfg,
+                                             episode_id=f"{mode}-{k}", temperature=0.0, max_model_len=16384)
+                    by_page[env.unwrapped.asked + 1].append(float(traj.success))
+                    lengths.append(len(traj))
+
+            async with anyio.create_task_group() as tg:
+                for k in range(args.episodes):
+                    tg.start_soon(one, k)
+            total = [s for v in by_page.values() for s in v]
+            out[mode] = {"success": sum(total) / len(total), "tokens_mean": sum(lengths) / len(lengths),
+                         "tokens_max": max(lengths),
+                         "success_by_asked_page": {p: round(sum(v) / len(v), 3) for p, v in sorted(by_page.items())}}
+    finally:
+        engine.shutdown()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--episodes", type=int, default=48)
+    p.add_argument("--seed-offset", type=int, default=1_000_000)
+    p.add_argument("--env-kwargs", default='{"num_pages": 4, "page_words": [1450, 1650]}')
+    p.add_argument("--cut", action="store_true", help="also run with the early pages' facts removed")
+    args = p.parse_args()
+    print(json.dumps(asyncio.run(_run(args)), indent=2))
+
+
+if __name__ == "__main__":
+    main()
