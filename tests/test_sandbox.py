@@ -47,8 +47,10 @@ CASES = {  # name: (code, text the tool message must contain, seconds it may tak
     "rename outside": (f"open('a', 'w').close()\nimport os\nos.rename('a', {STDLIB_ESCAPE!r})",
                        "os.rename outside the working directory", 1.0),
     "reading other processes": ("print(open('/proc/1/environ').read())", "reading outside the working", 1.0),
+    # Refused by the audit hook, or (a checkout under /tmp, which is the sandbox's own tmpfs there)
+    # simply absent: either way the file's text must not come back (checked below).
     "reading the env's hidden tests": (f"print(open({python_sandbox.__file__!r}).read())",
-                                       "reading outside the working", 1.0),
+                                       ("reading outside the working", "No such file or directory"), 1.0),
     "network socket": ("import socket\nsocket.create_connection(('1.1.1.1', 80), timeout=1)",
                        "importing 'socket' is not allowed", 1.0),
     "raw _socket": ("import _socket\n_socket.socket()", "importing '_socket' is not allowed", 1.0),
@@ -62,6 +64,11 @@ CASES = {  # name: (code, text the tool message must contain, seconds it may tak
 @pytest.fixture(scope="module")
 def env():
     env = PythonSandboxEnv(cpu_time_s=1, wall_time_s=2.0, memory_mb=256, max_tool_output_chars=4096)
+    # The first step of a process imports vLLM's tool parser and the first sandboxed run finds bwrap
+    # and builds the seccomp filter (seconds); the cases below time containment, not that start-up.
+    env.reset(seed=0)
+    obs, *_ = env.step(format_tool_call("run_python", {"code": "print(1)"}))
+    assert obs == [{"role": "tool", "content": "1"}]
     yield env
     env.close()
 
@@ -74,7 +81,9 @@ def test_contained_with_a_clear_error_and_env_still_usable(env, name):
     start = time.monotonic()
     obs, reward, terminated, truncated, info = env.step(format_tool_call("run_python", {"code": code}))
     elapsed = time.monotonic() - start
-    assert expected in obs[0]["content"], obs[0]["content"][-500:]
+    assert any(e in obs[0]["content"] for e in ((expected,) if isinstance(expected, str) else expected)), \
+        obs[0]["content"][-500:]
+    assert "PythonSandbox-v0: small programming tasks" not in obs[0]["content"]  # the env's source stays out
     assert elapsed < seconds + 0.5, f"{name} took {elapsed:.2f} s"
     assert len(obs[0]["content"]) < 4096 + 500 and not terminated and reward == 0.0
     assert not os.path.exists(ESCAPE) and not os.path.exists(STDLIB_ESCAPE)
