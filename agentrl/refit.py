@@ -19,8 +19,9 @@ of Ray or vLLM: the actors and the worker extension call it.
 from __future__ import annotations
 
 import pickle
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Iterator, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -88,8 +89,8 @@ def resolve_transport(requested: str, *, engine_on_gpu: bool, same_gpu: bool) ->
     return requested  # type: ignore[return-value]
 
 
-def flatten_weights(weights: dict[str, "torch.Tensor"], device: "torch.device | str | None" = None,
-                    *, skip_shared: bool = True) -> tuple["torch.Tensor", FlatSpec]:
+def flatten_weights(weights: dict[str, torch.Tensor], device: torch.device | str | None = None,
+                    *, skip_shared: bool = True) -> tuple[torch.Tensor, FlatSpec]:
     """Copy ``weights`` into one uint8 buffer (on ``device``, default: the first tensor's).
 
     A tensor that is the very same memory as an earlier one (same address, shape and dtype: tied
@@ -133,7 +134,7 @@ def flatten_weights(weights: dict[str, "torch.Tensor"], device: "torch.device | 
     return buffer, spec
 
 
-def unflatten_weights(buffer: "torch.Tensor", spec: FlatSpec) -> Iterator[tuple[str, "torch.Tensor"]]:
+def unflatten_weights(buffer: torch.Tensor, spec: FlatSpec) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` views into ``buffer`` as laid out by :func:`flatten_weights` (no copies)."""
     import math
 
@@ -148,7 +149,7 @@ def unflatten_weights(buffer: "torch.Tensor", spec: FlatSpec) -> Iterator[tuple[
         yield name, buffer[off:off + nbytes].view(dt).view(shape)
 
 
-def ipc_handle(buffer: "torch.Tensor") -> bytes:
+def ipc_handle(buffer: torch.Tensor) -> bytes:
     """A picklable CUDA IPC handle of ``buffer`` (the buffer must outlive every reader's use)."""
     from torch.multiprocessing.reductions import reduce_tensor
 
@@ -157,7 +158,7 @@ def ipc_handle(buffer: "torch.Tensor") -> bytes:
     return pickle.dumps(reduce_tensor(buffer))
 
 
-def open_ipc_handle(handle: bytes, device_index: int | None = None) -> "torch.Tensor":
+def open_ipc_handle(handle: bytes, device_index: int | None = None) -> torch.Tensor:
     """The tensor behind an :func:`ipc_handle`, opened in this process.
 
     ``device_index`` is the local CUDA index of the shared GPU in this process (the handle records
@@ -204,7 +205,7 @@ class WeightGroup:
         else:
             raise ValueError(f"WeightGroup: backend must be nccl or gloo, got {backend!r}")
 
-    def broadcast(self, buffer: "torch.Tensor") -> None:
+    def broadcast(self, buffer: torch.Tensor) -> None:
         """Broadcast ``buffer`` in place from rank 0 to every rank (same size everywhere)."""
         import torch.distributed as dist
 

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 import gymnasium
-
 from agentrl.envs.base import TextEnv, Turn
 
 ENV_ID = "bench.gpu_e2e:ToolLatency-v0"
@@ -98,11 +97,11 @@ class GpuBusy:
         while not self._stop.wait(0.1):
             self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu / 100.0)
 
-    def __enter__(self) -> "GpuBusy":
+    def __enter__(self) -> GpuBusy:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
 

@@ -53,31 +53,12 @@ def test_model_family_key_bootstraps_that_family(tmp_path):
 def test_llama3_trains_three_steps_with_refits(tiny_family_dir, tmp_path):
     """Three learner steps with a refit after each on a tiny Llama 3 (header tokens, <|eot_id|>
     ends turns while the tokenizer's EOS is <|end_of_text|>): engine and learner agree after refits."""
-    import ray
+    from tests.test_pipeline_e2e import e2e_overrides, mean_abs_diff, read_rows, train_and_score
 
-    from agentrl.trainer import Trainer
-    from agentrl.trajectory import Trajectory
-    from tests.test_pipeline_e2e import e2e_overrides, read_rows, start_ray
-
-    cfg = load_config(None, e2e_overrides(tiny_family_dir("llama3"), tmp_path / "run"))
-    start_ray()
-    trainer = Trainer(cfg, progress=False)
-    try:
-        trainer.start()
-        fixed = list(range(5, 45))
-        engine = trainer.engines[0]
-        before = ray.get(engine.score.remote(fixed))
-        trainer.run()
-        version, engine_version = trainer.version, ray.get(engine.version.remote())
-        after = ray.get(engine.score.remote(fixed))
-        learner = ray.get(trainer.learner.logprobs.remote([Trajectory(
-            token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)]))[0]
-    finally:
-        trainer.shutdown()
-        ray.shutdown()
-    assert version == 3 and engine_version == 3
-    assert sum(abs(a - b) for a, b in zip(before[1:], after[1:])) / 39 > 1e-3, "the refit changed nothing"
-    agree = sum(abs(a - b) for a, b in zip(learner[1:], after[1:])) / 39
+    r = train_and_score(load_config(None, e2e_overrides(tiny_family_dir("llama3"), tmp_path / "run")))
+    assert r["version"] == 3 and r["engine_version"] == 3
+    assert mean_abs_diff(r["before"], r["after"]) > 1e-3, "the refit changed nothing"
+    agree = mean_abs_diff(r["learner"], r["after"])
     assert agree < 1e-3, f"engine and learner logprobs differ after refit (mean abs {agree:.2e})"
     steps = [r for r in read_rows(tmp_path / "run") if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]

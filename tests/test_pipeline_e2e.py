@@ -54,32 +54,9 @@ def test_missing_model_path_fails_before_any_actor(tmp_path):
 @pytest.fixture(scope="module")
 def e2e_run(tiny_model_dir, tmp_path_factory):
     """Three learner steps with a refit after each, on 2 rollout actors and 1 vLLM engine."""
-    import ray
-
-    from agentrl.trainer import Trainer
-    from agentrl.trajectory import Trajectory
-
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
     cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "eval.num_episodes=8"))
-    start_ray()
-    trainer = Trainer(cfg, progress=False)
-    try:
-        trainer.start()
-        fixed = list(range(5, 45))
-        engine = trainer.engines[0]
-        before = ray.get(engine.score.remote(fixed))
-        trainer.run()
-        out = {
-            "cfg": cfg, "run_dir": run_dir, "before": before, "version": trainer.version,
-            "engine_version": ray.get(engine.version.remote()),
-            "after": ray.get(engine.score.remote(fixed)),
-            "learner": ray.get(trainer.learner.logprobs.remote([Trajectory(
-                token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)]))[0],
-        }
-    finally:
-        trainer.shutdown()
-        ray.shutdown()
-    return out
+    return {"cfg": cfg, "run_dir": run_dir, **train_and_score(cfg)}
 
 
 def test_train_three_steps_with_refit(e2e_run):
@@ -228,34 +205,47 @@ def test_engine_killed_mid_run_training_continues(tiny_model_dir, tmp_path):
     assert counts["replay/consumed"] == steps_total * cfg.replay.groups_per_step
 
 
-def test_broadcast_refit_transport_on_cpu(tiny_model_dir, tmp_path):
-    """refit.transport=nccl runs its protocol over gloo on CPU: the learner's rank 0 and the vLLM
-    engine's worker form a group of their own, weights travel as one flat buffer, and afterwards
-    the engine scores exactly as the learner does."""
+def train_and_score(cfg) -> dict:
+    """Start a Trainer on ``cfg``, score a fixed sequence with the engine before and after the run,
+    and with the learner after it; returns those, the versions and the transport used."""
     import ray
 
     from agentrl.trainer import Trainer
     from agentrl.trajectory import Trajectory
 
-    cfg = load_config(None, e2e_overrides(tiny_model_dir, tmp_path / "run", "refit.transport=nccl",
-                                          "train.num_steps=2", "rollout.num_actors=1"))
+    fixed = list(range(5, 45))
     start_ray()
     trainer = Trainer(cfg, progress=False)
     try:
         trainer.start()
-        assert trainer.transport == "nccl"
-        fixed = list(range(5, 45))
         engine = trainer.engines[0]
         before = ray.get(engine.score.remote(fixed))
         trainer.run()
-        after = ray.get(engine.score.remote(fixed))
-        learner = ray.get(trainer.learner.logprobs.remote([Trajectory(
-            token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)]))[0]
-        assert ray.get(engine.version.remote()) == trainer.version == 2
+        return {
+            "transport": trainer.transport, "version": trainer.version,
+            "engine_version": ray.get(engine.version.remote()), "before": before,
+            "after": ray.get(engine.score.remote(fixed)),
+            "learner": ray.get(trainer.learner.logprobs.remote([Trajectory(
+                token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)]))[0],
+        }
     finally:
         trainer.shutdown()
         ray.shutdown()
-    changed = sum(abs(a - b) for a, b in zip(before[1:], after[1:])) / 39
-    agree = sum(abs(a - b) for a, b in zip(learner[1:], after[1:])) / 39
-    assert changed > 1e-3, "the broadcast refit did not change the engine's logprobs"
+
+
+def mean_abs_diff(a: list[float], b: list[float]) -> float:
+    """Mean |a - b| past the first position (whose logprob is 0 by convention)."""
+    return sum(abs(x - y) for x, y in zip(a[1:], b[1:])) / (len(a) - 1)
+
+
+def test_broadcast_refit_transport_on_cpu(tiny_model_dir, tmp_path):
+    """refit.transport=nccl runs its protocol over gloo on CPU: the learner's rank 0 and the vLLM
+    engine's worker form a group of their own, weights travel as one flat buffer, and afterwards
+    the engine scores exactly as the learner does."""
+    cfg = load_config(None, e2e_overrides(tiny_model_dir, tmp_path / "run", "refit.transport=nccl",
+                                          "train.num_steps=2", "rollout.num_actors=1"))
+    r = train_and_score(cfg)
+    assert r["transport"] == "nccl" and r["engine_version"] == r["version"] == 2
+    assert mean_abs_diff(r["before"], r["after"]) > 1e-3, "the broadcast refit did not change the engine's logprobs"
+    agree = mean_abs_diff(r["learner"], r["after"])
     assert agree < 1e-3, f"engine and learner logprobs differ after a broadcast refit (mean abs {agree:.2e})"

@@ -12,7 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import ConfigError, load_config
-from agentrl.refit import FlatSpec, WeightGroup, flatten_weights, resolve_transport, unflatten_weights
+from agentrl.refit import (
+    FlatSpec,
+    WeightGroup,
+    flatten_weights,
+    resolve_transport,
+    unflatten_weights,
+)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8]
 
