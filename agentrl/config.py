@@ -171,8 +171,11 @@ class EngineConfig(Section):
     """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (CUDA engines only)."""
-    enforce_eager: bool = True
-    """Skip graph capture / compilation (faster start; required on CPU for quick tests)."""
+    enforce_eager: Literal["auto", True, False] = "auto"
+    """Skip vLLM's compilation and CUDA-graph capture: a faster start, slower decoding. auto (the
+    default): eager on CPU engines (engine.num_gpus 0), where compiling costs minutes; compiled
+    with CUDA graphs on GPU engines, where eager decoding of a billion-parameter model is several
+    times slower (launch-bound). true/false force it."""
     max_num_seqs: int = Field(64, ge=1)
     """Requests an engine batches at once."""
     num_cpus: float = Field(1.0, gt=0)
@@ -181,6 +184,12 @@ class EngineConfig(Section):
     """GPUs per engine actor (0 on CPU)."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
+
+    @model_validator(mode="after")
+    def _resolve_eager(self) -> EngineConfig:
+        if self.enforce_eager == "auto":  # resolved here, so --print-config shows what runs
+            object.__setattr__(self, "enforce_eager", self.num_gpus == 0)
+        return self
 
 
 class ReplayConfig(Section):
@@ -312,7 +321,8 @@ class MegatronConfig(Section):
     packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
     or context parallelism and no activation checkpointing. The graph's activations stay
     allocated between steps (set false when memory is short). auto (the default): on exactly where
-    it can run (the conditions above), off elsewhere; true/false force it."""
+    it can run (the conditions above) and the learner does not share its GPU with sleeping engines
+    (colocate.engine_sleep: the engines' wake needs that memory), off elsewhere; true/false force it."""
     keep_grad_logits: Literal["auto", True, False] = "auto"
     """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
     the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
@@ -501,6 +511,10 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
         mc = self.learner.megatron
+        if self.colocate.enabled and self.colocate.engine_sleep and "cuda_graphs" in mc._auto:
+            # The graphs' activation pools stay allocated while the engine is awake: at 1.5B on one
+            # H100 they left the engine's wake short of memory (bench/RESULTS.md, GPU loop).
+            object.__setattr__(mc, "cuda_graphs", False)
         if self.learner.backend == "megatron":
             world = max(self.learner.num_gpus, 1)
             model_parallel = mc.tensor_parallel_size * mc.pipeline_parallel_size * mc.context_parallel_size

@@ -89,13 +89,13 @@ class GpuBusy:
 
         pynvml.nvmlInit()
         self.nvml, self.handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
-        self.samples: list[float] = []
+        self.samples: list[tuple[float, float]] = []  # (perf_counter, utilization)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(0.1):
-            self.samples.append(self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu / 100.0)
+            self.samples.append((time.perf_counter(), self.nvml.nvmlDeviceGetUtilizationRates(self.handle).gpu / 100.0))
 
     def __enter__(self) -> GpuBusy:
         self._thread.start()
@@ -105,9 +105,10 @@ class GpuBusy:
         self._stop.set()
         self._thread.join()
 
-    @property
-    def fraction(self) -> float:
-        return statistics.fmean(self.samples) if self.samples else 0.0
+    def fraction(self, since: float = 0.0) -> float:
+        """Mean utilization over the samples taken after ``since`` (a perf_counter time)."""
+        kept = [u for t, u in self.samples if t >= since]
+        return statistics.fmean(kept) if kept else 0.0
 
 
 def run_one(model: str, args: argparse.Namespace, *, placement: str, staleness: int) -> dict[str, Any]:
@@ -122,7 +123,8 @@ def run_one(model: str, args: argparse.Namespace, *, placement: str, staleness: 
         f"env.id={ENV_ID}", f"env.kwargs={{latency_s: {args.tool_latency}, obs_words: {args.obs_words}, num_turns: {args.turns}}}",
         "rollout.num_actors=2", f"rollout.group_size={args.group_size}", f"rollout.max_concurrent_groups={args.concurrent_groups}",
         "rollout.temperature=1.0", "rollout.top_p=1.0", f"rollout.max_new_tokens={args.new_tokens}", f"rollout.max_turns={args.turns + 1}",
-        "rollout.max_total_tokens=4096", "engine.max_model_len=4096", "engine.max_num_seqs=256",
+        "rollout.max_total_tokens=4096", "engine.max_model_len=4096", f"engine.max_num_seqs={args.max_num_seqs}",
+        f"engine.enforce_eager={'true' if args.engine_eager else 'auto'}",
         f"engine.gpu_memory_utilization={args.engine_mem_colocated if colocated else args.engine_mem_split}",
         f"replay.max_staleness={staleness}", f"replay.groups_per_step={args.groups_per_step}", "replay.capacity=256",
         "learner.lr=1e-6", "packing.max_tokens_per_microbatch=8192", f"colocate.engine_sleep={colocated}",
@@ -135,7 +137,9 @@ def run_one(model: str, args: argparse.Namespace, *, placement: str, staleness: 
     try:
         trainer.start()
         rows: list[dict[str, Any]] = []
-        logger = type("L", (), {"log": lambda self, step, m: rows.append(dict(m)), "close": lambda self: None})()
+        logged: list[float] = []  # when each step's metrics arrived
+        logger = type("L", (), {"log": lambda self, step, m: (rows.append(dict(m)), logged.append(time.perf_counter())),
+                                "close": lambda self: None})()
         runs = [r.run.remote() for r in trainer.rollouts]
         t0 = time.perf_counter()
         with GpuBusy() as busy:
@@ -158,7 +162,8 @@ def run_one(model: str, args: argparse.Namespace, *, placement: str, staleness: 
         "refit_s_mean": statistics.fmean(r.get("timing/refit", 0.0) for r in steps),
         "split": {k: sum(r.get(f"timing/{k}", 0.0) for r in steps) / span
                   for k in ("waiting", "engine_sleep", "learner_step", "refit", "refit_wait")},
-        "gpu_busy": busy.fraction,
+        "gpu_busy": busy.fraction(logged[0] if len(logged) > 1 else 0.0),  # after the first step's fill-up
+        "gpu_busy_all": busy.fraction(),
         "learner_memory_gib": {k: max((r.get(f"memory/learner_{k}_gib", 0.0) for r in rows), default=0.0)
                                for k in ("allocated", "reserved", "peak")},
         "reward_mean": statistics.fmean(r.get("rollout/reward", 0.0) for r in steps),
@@ -178,7 +183,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--groups-per-step", type=int, default=8)
-    p.add_argument("--concurrent-groups", type=int, default=16)
+    p.add_argument("--concurrent-groups", type=int, default=32, help="per rollout actor (there are 2)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the engine's batch")
+    p.add_argument("--engine-eager", action="store_true", help="vLLM without CUDA graphs (default: graphs, as on any GPU)")
     p.add_argument("--engine-mem-colocated", type=float, default=0.3)
     p.add_argument("--engine-mem-split", type=float, default=0.25)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
