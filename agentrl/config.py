@@ -321,8 +321,8 @@ class MegatronConfig(Section):
     packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
     or context parallelism and no activation checkpointing. The graph's activations stay
     allocated between steps (set false when memory is short). auto (the default): on exactly where
-    it can run (the conditions above) and the learner does not share its GPU with sleeping engines
-    (colocate.engine_sleep: the engines' wake needs that memory), off elsewhere; true/false force it."""
+    it can run (the conditions above) and the learner does not share its GPU with engines
+    (colocate.enabled: the engines need that memory), off elsewhere; true/false force it."""
     keep_grad_logits: Literal["auto", True, False] = "auto"
     """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
     the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
@@ -511,9 +511,10 @@ class Config(Section):
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
         mc = self.learner.megatron
-        if self.colocate.enabled and self.colocate.engine_sleep and "cuda_graphs" in mc._auto:
-            # The graphs' activation pools stay allocated while the engine is awake: at 1.5B on one
-            # H100 they left the engine's wake short of memory (bench/RESULTS.md, GPU loop).
+        if self.colocate.enabled and "cuda_graphs" in mc._auto:
+            # The graphs' activation pools stay allocated beside the engine: at 1.5B on one H100 they
+            # took 15 GiB and left the learner (split) or the engine's wake (sleep) out of memory
+            # (bench/RESULTS.md, GPU loop).
             object.__setattr__(mc, "cuda_graphs", False)
         if self.learner.backend == "megatron":
             world = max(self.learner.num_gpus, 1)
