@@ -187,7 +187,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256, help="the engine's batch")
     p.add_argument("--engine-eager", action="store_true", help="vLLM without CUDA graphs (default: graphs, as on any GPU)")
     p.add_argument("--engine-mem-colocated", type=float, default=0.3)
-    p.add_argument("--engine-mem-split", type=float, default=0.25)
+    p.add_argument("--engine-mem-split", type=float, default=0.2,
+                   help="0.25 left the engine short of memory for a refit beside the 1.5B learner's step on an H100")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")  # as agentrl.pipeline does: no warning at ray.init
