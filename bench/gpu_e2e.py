@@ -177,6 +177,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=90.0, help="timed training per run")
     p.add_argument("--placements", default="colocated,split")
     p.add_argument("--staleness", type=int, default=2, help="max_staleness of the async runs")
+    p.add_argument("--modes", default="sync,async", help="which of sync (max_staleness 0) and async to run")
     p.add_argument("--tool-latency", type=float, default=0.5)
     p.add_argument("--obs-words", type=int, default=150)
     p.add_argument("--turns", type=int, default=3, help="tool calls per episode")
@@ -195,7 +196,7 @@ def main() -> None:
     model = make_model(Path(args.workdir) / "qwen2.5-1.5b-shape")
     results: list[dict[str, Any]] = []
     for placement in args.placements.split(","):
-        for staleness in (0, args.staleness):
+        for staleness in [{"sync": 0, "async": args.staleness}[m] for m in args.modes.split(",")]:
             res = run_one(model, args, placement=placement, staleness=staleness)
             results.append(res)
             print(json.dumps(res), flush=True)
@@ -209,8 +210,10 @@ def main() -> None:
               f"{s['learner_step']:5.2f} {s['refit']:5.2f} {r['gpu_busy']:8.2f}")
     ratios = {}
     for placement in args.placements.split(","):
-        sync = next(r for r in results if r["placement"] == placement and r["max_staleness"] == 0)
-        asyn = next(r for r in results if r["placement"] == placement and r["max_staleness"] > 0)
+        sync = next((r for r in results if r["placement"] == placement and r["max_staleness"] == 0), None)
+        asyn = next((r for r in results if r["placement"] == placement and r["max_staleness"] > 0), None)
+        if sync is None or asyn is None:
+            continue
         ratios[placement] = asyn["trajectories_per_s"] / max(sync["trajectories_per_s"], 1e-9)
         print(f"async/sync trajectories/s ({placement}): {ratios[placement]:.2f}x")
     Path(args.out).write_text(json.dumps({"runs": results, "async_over_sync": ratios, "args": vars(args)}, indent=2))
