@@ -186,7 +186,7 @@ def run_sandboxed(code: str, limits: SandboxLimits | None = None, *, backend: st
     """
     limits = limits or SandboxLimits()
     if backend == "bwrap":
-        check_bwrap()
+        check_bwrap((encode_config(SandboxLimits(), None, False),))
         return _run_bwrap(code, limits)
     if backend == "audit_hook":
         return _run_audit_hook(code, limits)
@@ -201,11 +201,6 @@ def encode_config(limits: SandboxLimits, nproc: int | None, hook: bool) -> str:
               "max_open_files": limits.max_open_files, "nproc": nproc, "hook": int(hook),
               "blocked_modules": ",".join(limits.blocked_modules)}
     return ";".join(f"{k}={'' if v is None else v}" for k, v in values.items())
-
-
-@functools.lru_cache(maxsize=1)
-def _child_source() -> bytes:
-    return Path(_CHILD).read_bytes()
 
 
 @functools.lru_cache(maxsize=1)
@@ -304,13 +299,12 @@ def _kill_sandbox(proc: subprocess.Popen, init_pidfd: int | None) -> None:
 def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
     config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + bwrap's init, python
     code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
-    child_fd = _memfd("child.py", _child_source())
     bpf = _seccomp_filter()
     seccomp_fd = None if bpf is None else _memfd("seccomp", bpf)
     info_r, info_w = os.pipe()
-    passed = tuple(fd for fd in (code_fd, child_fd, info_w, seccomp_fd) if fd is not None)
+    passed = tuple(fd for fd in (code_fd, info_w, seccomp_fd) if fd is not None)
     try:
-        cmd = bwrap_command(code_fd=code_fd, child_fd=child_fd, info_fd=info_w, disk_bytes=limits.max_disk_bytes,
+        cmd = bwrap_command(code_fd=code_fd, info_fd=info_w, disk_bytes=limits.max_disk_bytes,
                             argv=[config], seccomp_fd=seccomp_fd)
         proc = subprocess.Popen(cmd, pass_fds=passed, env={}, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
