@@ -10,8 +10,8 @@ What the sandboxed program gets (the kernel enforces all of it, nothing here run
   loopback interface of its own, reaches no host Unix socket; ``--new-session`` (no terminal ioctls);
 - a new mount namespace whose root is one read-only bind of a prepared minimal tree (``_sandbox_root.py``:
   the interpreter, its standard library, the shared libraries it loads, the entry script as bytecode);
-  a fresh ``/proc``; a read-only ``/dev`` holding only ``null``, ``zero``, ``full``, ``random`` and
-  ``urandom``; a size-limited private tmpfs ``/sandbox`` (also ``/tmp``) as the working directory.
+  a fresh ``/proc``; a read-only ``/dev`` holding only ``null``, ``zero`` and ``urandom`` (and the
+  ``fd``/``stdin``/``stdout``/``stderr`` links); a size-limited private tmpfs ``/sandbox`` (also ``/tmp``) as the working directory.
   No host ``/etc``, ``/home``, ``/root`` contents, ``/usr/bin``, project files or environment variables.
 - ``--die-with-parent`` and a PID-namespace init: when its init is killed, the kernel kills everything
   the program started, sessions and daemons included.
@@ -29,13 +29,12 @@ import shutil
 import subprocess
 import threading
 
-from agentrl.envs._sandbox_root import CHILD_PATH, sandbox_root
+from agentrl.envs._sandbox_root import CHILD_PATH, DEVICES, sandbox_root
 
 __all__ = ["SANDBOX_UID", "WORKDIR", "BwrapUnavailableError", "bwrap_command", "check_bwrap", "spawn_identity"]
 
 SANDBOX_UID = 65534  # "nobody", inside the sandbox and, when the caller is root, on the host too
 WORKDIR = "/sandbox"
-DEVICES = ("null", "zero", "full", "random", "urandom")  # bound from the host; no tty, pts, shm
 INSTALL_HINT = ("install it with `apt-get install bubblewrap` (scripts/setup_venv.sh does so when run as root), "
                 "or choose backend='audit_hook' explicitly (an in-process hook: NOT a security boundary)")
 
@@ -76,13 +75,10 @@ def bwrap_command(*, code_fd: int, info_fd: int, disk_bytes: int, argv: list[str
            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
            "--clearenv", "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", WORKDIR,
            "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8",
-           "--ro-bind", root.path, "/", "--proc", "/proc", "--size", "65536", "--tmpfs", "/dev"]
-    for device in DEVICES:
-        cmd += ["--dev-bind", f"/dev/{device}", f"/dev/{device}"]
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"), ("stdout", "/proc/self/fd/1"),
-                         ("stderr", "/proc/self/fd/2")):
-        cmd += ["--symlink", target, f"/dev/{name}"]
-    cmd += ["--remount-ro", "/dev", "--size", str(disk_bytes), "--tmpfs", WORKDIR]
+           "--ro-bind", root.path, "/", "--proc", "/proc"]
+    for device in DEVICES:  # over the tree's placeholders: /dev stays the read-only tree's directory
+        cmd += ["--dev-bind", device, device]
+    cmd += ["--size", str(disk_bytes), "--tmpfs", WORKDIR]
     if seccomp_fd is not None:
         cmd += ["--seccomp", str(seccomp_fd)]
     cmd += ["--file", str(code_fd), f"{WORKDIR}/main.py", "--chdir", WORKDIR,

@@ -3,7 +3,8 @@
 The tree holds only what ``python -I -S`` and its standard library need: the interpreter, its standard
 library (no ``site-packages``, tests or GUI demos), the shared libraries that ``ldd`` finds for the
 interpreter and its extension modules (and the ELF loader), the sandbox's entry script compiled to
-bytecode, and empty mount points (``/proc``, ``/dev``, ``/sandbox``, ``/tmp`` as a link to it). Files are
+bytecode, empty mount points (``/proc``, ``/sandbox``, ``/tmp`` as a link to it) and a ``/dev`` of three
+empty files over which bwrap binds the host's ``null``, ``zero`` and ``urandom``. Files are
 hard links to the host's (copies where a link is not allowed), owned by the caller, in directories that
 the sandbox uid can traverse, so the sandbox needs one read-only bind of the tree as ``/`` instead of one
 bind per directory plus a bind of the entry script per run (each bind is a mount and a parse of the
@@ -28,14 +29,16 @@ import sysconfig
 import threading
 from pathlib import Path
 
-__all__ = ["CHILD_PATH", "MOUNT_POINTS", "SandboxRoot", "sandbox_root"]
+__all__ = ["CHILD_PATH", "DEVICES", "MOUNT_POINTS", "SandboxRoot", "sandbox_root"]
 
 CHILD_PATH = "/.agentrl/child.pyc"  # the entry script, as bytecode: no compile per run
-MOUNT_POINTS = ("/proc", "/dev", "/sandbox")
-_TMP_LINK = ("/tmp", "/sandbox")
+MOUNT_POINTS = ("/proc", "/sandbox")
+DEVICES = ("/dev/null", "/dev/zero", "/dev/urandom")  # empty files here; the host's devices are bound over them
+_LINKS = (("/tmp", "/sandbox"), ("/dev/fd", "/proc/self/fd"), ("/dev/stdin", "/proc/self/fd/0"),
+          ("/dev/stdout", "/proc/self/fd/1"), ("/dev/stderr", "/proc/self/fd/2"))
 _CHILD_SOURCE = Path(__file__).with_name("_sandbox_child.py")
 _SKIPPED = ("site-packages", "dist-packages", "test", "idlelib", "turtledemo")
-_FORMAT = 1  # bump when the tree's layout changes
+_FORMAT = 2  # bump when the tree's layout changes
 _LOCK = threading.Lock()
 
 
@@ -144,7 +147,11 @@ def _build(root: Path, executable: str, stdlib: list[str], libraries: list[str])
             _place(os.path.realpath(path), str(dest))
     for point in MOUNT_POINTS:
         (root / point.lstrip("/")).mkdir(parents=True, exist_ok=True)
-    os.symlink(_TMP_LINK[1], root / _TMP_LINK[0].lstrip("/"))
+    (root / "dev").mkdir()
+    for device in DEVICES:
+        (root / device.lstrip("/")).touch(mode=0o644)
+    for link, target in _LINKS:
+        os.symlink(target, root / link.lstrip("/"))
     child = root / CHILD_PATH.lstrip("/")
     child.parent.mkdir(parents=True, exist_ok=True)
     py_compile.compile(str(_CHILD_SOURCE), cfile=str(child), dfile=CHILD_PATH, doraise=True,
