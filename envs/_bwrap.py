@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import functools
 import os
+import select
 import shutil
-import subprocess
+import sys
 import threading
 
+from agentrl.envs._launcher import Launcher, Spawned
 from agentrl.envs._sandbox_root import CHILD_PATH, DEVICES, sandbox_root
 
-__all__ = ["SANDBOX_UID", "WORKDIR", "BwrapUnavailableError", "bwrap_command", "check_bwrap", "spawn_identity"]
+__all__ = ["SANDBOX_UID", "WORKDIR", "BwrapUnavailableError", "bwrap_command", "check_bwrap", "spawn_bwrap"]
 
 SANDBOX_UID = 65534  # "nobody", inside the sandbox and, when the caller is root, on the host too
 WORKDIR = "/sandbox"
@@ -43,47 +45,56 @@ class BwrapUnavailableError(RuntimeError):
     """bubblewrap is missing or cannot create its namespaces on this machine."""
 
 
-def spawn_identity() -> tuple[list[str], dict]:
-    """(command prefix, ``subprocess.Popen`` keyword arguments) that start ``bwrap`` as an unprivileged
-    host user when the caller is root.
-
-    ``setpriv`` (util-linux) drops the ids after a cheap ``vfork``; Popen's own ``user=``/``group=`` would
-    make it copy the whole (large) parent process with ``fork`` instead, ~20 ms more per run.
-    """
-    if os.getuid() != 0:
-        return [], {}
-    if shutil.which("setpriv") is not None:
-        return ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--"], {}
-    return [], {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
+@functools.lru_cache(maxsize=1)
+def _launcher() -> Launcher:
+    return Launcher(os.path.realpath(sys.executable), shutil.which("bwrap") or "bwrap", SANDBOX_UID)
 
 
-def bwrap_command(*, code_fd: int, info_fd: int, disk_bytes: int, argv: list[str],
-                  seccomp_fd: int | None = None) -> list[str]:
-    """The ``bwrap`` command that runs ``python -I -S CHILD_PATH *argv`` with ``main.py`` from ``code_fd``.
+def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[str]:
+    """The ``bwrap`` command that runs ``python -I -S CHILD_PATH *argv`` on ``main.py`` from descriptor 4.
+
+    Descriptors as bwrap gets them: 3 where it reports the sandbox init's host PID, 4 the program's
+    source (copied to ``/sandbox/main.py``), 5 the BPF seccomp program when ``seccomp``.
 
     Args:
-        code_fd: readable descriptor of the program's source; copied to ``/sandbox/main.py``.
-        info_fd: writable descriptor where bwrap reports the host PID of the sandbox's init.
         disk_bytes: size of the ``/sandbox`` tmpfs (all files the program writes, together).
         argv: arguments after the entry script.
-        seccomp_fd: readable descriptor of a BPF seccomp program applied to the program, or None.
+        seccomp: apply the seccomp program of descriptor 5.
     """
     root = sandbox_root()
-    prefix, _ = spawn_identity()
-    cmd = [*prefix, "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+    cmd = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
            "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-           "--hostname", "sandbox", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
+           "--hostname", "sandbox", "--die-with-parent", "--new-session", "--info-fd", "3",
            "--clearenv", "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", WORKDIR,
            "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8",
            "--ro-bind", root.path, "/", "--proc", "/proc"]
     for device in DEVICES:  # over the tree's placeholders: /dev stays the read-only tree's directory
         cmd += ["--dev-bind", device, device]
     cmd += ["--size", str(disk_bytes), "--tmpfs", WORKDIR]
-    if seccomp_fd is not None:
-        cmd += ["--seccomp", str(seccomp_fd)]
-    cmd += ["--file", str(code_fd), f"{WORKDIR}/main.py", "--chdir", WORKDIR,
+    if seccomp:
+        cmd += ["--seccomp", "5"]
+    cmd += ["--file", "4", f"{WORKDIR}/main.py", "--chdir", WORKDIR,
             root.executable, "-I", "-S", "-B", CHILD_PATH, *argv]
     return cmd
+
+
+def spawn_bwrap(*, stdout_fd: int, info_fd: int, code_fd: int, seccomp_fd: int | None, disk_bytes: int,
+                argv: list[str]) -> Spawned:
+    """Start the sandbox (``bwrap_command``) as the unprivileged host uid, through the launcher.
+
+    Args:
+        stdout_fd: write end of the pipe that gets the program's stdout and stderr.
+        info_fd: write end of the pipe where bwrap reports the sandbox init's host PID.
+        code_fd: readable descriptor of the program's source.
+        seccomp_fd: readable descriptor of the BPF seccomp program, or None for none.
+        disk_bytes: size of the ``/sandbox`` tmpfs.
+        argv: arguments after the entry script.
+
+    The caller keeps and closes the descriptors it passed.
+    """
+    cmd = bwrap_command(disk_bytes=disk_bytes, argv=argv, seccomp=seccomp_fd is not None)
+    fds = [info_fd, code_fd] + ([] if seccomp_fd is None else [seccomp_fd])
+    return _launcher().spawn(cmd, stdout_fd, fds)
 
 
 _CHECK_LOCK = threading.Lock()  # the first runs may start from many threads at once
@@ -107,19 +118,30 @@ def _check_once(child_argv: tuple[str, ...]) -> None:
         sandbox_root()
     except OSError as exc:
         raise BwrapUnavailableError(f"cannot prepare the sandbox's root file system: {exc}") from exc
-    code_r, (info_r, info_w) = os.memfd_create("code"), os.pipe()
+    code, (info_r, info_w), (out_r, out_w) = os.memfd_create("code"), os.pipe(), os.pipe()
+    output = b""
     try:
-        os.write(code_r, b"print('sandbox-ok')\n")
-        os.lseek(code_r, 0, 0)
-        cmd = bwrap_command(code_fd=code_r, info_fd=info_w, disk_bytes=1 << 20, argv=list(child_argv))
-        proc = subprocess.run(cmd, pass_fds=(code_r, info_w), capture_output=True, text=True,
-                              timeout=30, check=False, env={}, **spawn_identity()[1])
+        os.write(code, b"print('sandbox-ok')\n")
+        os.lseek(code, 0, 0)
+        try:
+            spawned = spawn_bwrap(stdout_fd=out_w, info_fd=info_w, code_fd=code, seccomp_fd=None, disk_bytes=1 << 20,
+                                  argv=list(child_argv))
+        finally:
+            for fd in (code, info_w, out_w):
+                os.close(fd)
+        while select.select([out_r], [], [], 30)[0] and (chunk := os.read(out_r, 65536)):
+            output += chunk
+        if not spawned.exited():
+            spawned.kill()
+        returncode = spawned.wait()
+    except OSError as exc:
+        output, returncode = str(exc).encode(), None
     finally:
-        for fd in (code_r, info_r, info_w):
-            os.close(fd)
-    if proc.stdout.strip() != "sandbox-ok":
+        os.close(info_r)
+        os.close(out_r)
+    if output.decode(errors="replace").strip() != "sandbox-ok":
         raise BwrapUnavailableError(
-            f"bubblewrap cannot build the sandbox on this machine (exit {proc.returncode}): "
-            f"{(proc.stderr or proc.stdout).strip()[-500:]}. It needs unprivileged user namespaces "
+            f"bubblewrap cannot build the sandbox on this machine (exit {returncode}): "
+            f"{output.decode(errors='replace').strip()[-500:]}. It needs unprivileged user namespaces "
             f"(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0, and no AppArmor "
             f"restriction on them); otherwise {INSTALL_HINT.split(', or ', 1)[1]}")

@@ -31,10 +31,12 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.envs._bwrap import BwrapUnavailableError, bwrap_command, check_bwrap, spawn_identity
+from agentrl.envs._bwrap import BwrapUnavailableError, check_bwrap, spawn_bwrap
+from agentrl.envs._launcher import Spawned
 from agentrl.envs._seccomp import seccomp_bpf
 
 __all__ = ["BACKENDS", "DEFAULT_BLOCKED_MODULES", "BwrapUnavailableError", "SandboxLimits", "SandboxResult",
@@ -139,10 +141,10 @@ def _user_task_count(uid: int) -> int:
     return count
 
 
-def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str | None]:
-    """Read output until EOF, the deadline or the cap; returns (output, reason it was killed)."""
+def _collect(fd: int, exited: Callable[[], bool], limits: SandboxLimits) -> tuple[bytes, str | None]:
+    """Read output from ``fd`` until EOF, the deadline or the cap, then wait (until the deadline) for
+    ``exited()``; returns (output, reason it was killed)."""
     deadline = time.monotonic() + limits.wall_time_s
-    fd = proc.stdout.fileno()
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP)
     buf = bytearray()
@@ -159,8 +161,8 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str 
         buf += chunk[:room]
         if len(chunk) > room:
             return bytes(buf), "output_limit"
-    while True:  # EOF: wait for exit without reaping, so the group id cannot have been reused
-        if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+    while True:  # EOF: wait for exit (without reaping, so that no id can have been reused)
+        if exited():
             return bytes(buf), None
         if time.monotonic() > deadline:
             return bytes(buf), "timeout"
@@ -220,11 +222,11 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _init_pidfd(proc: subprocess.Popen, info_fd: int, deadline: float) -> int | None:
+def _init_pidfd(bwrap: Spawned, info_fd: int, deadline: float) -> int | None:
     """A pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report, or None.
 
     A pidfd names one process for good, so killing through it later cannot hit a reused PID; the PID is
-    checked to be bwrap's child while bwrap is alive and unreaped (so it cannot have been reused yet).
+    checked to be bwrap's child while bwrap is alive (so neither PID can have been reused yet).
     """
     poller = select.poll()
     poller.register(info_fd, select.POLLIN | select.POLLHUP)
@@ -236,11 +238,11 @@ def _init_pidfd(proc: subprocess.Popen, info_fd: int, deadline: float) -> int | 
         if not chunk:
             return None
         data += chunk
-    return _child_pidfd(proc, int(found.group(1)))
+    return _child_pidfd(bwrap, int(found.group(1)))
 
 
-def _child_pidfd(proc: subprocess.Popen, pid: int) -> int | None:
-    """A pidfd of ``pid`` if it is a child of the (unreaped) ``proc``, else None."""
+def _child_pidfd(bwrap: Spawned, pid: int) -> int | None:
+    """A pidfd of ``pid`` if it is a child of ``bwrap``, checked while bwrap is alive, else None."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
@@ -250,31 +252,31 @@ def _child_pidfd(proc: subprocess.Popen, pid: int) -> int | None:
         ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
     except (OSError, StopIteration, ValueError):
         ppid = None
-    if ppid != proc.pid:
+    if ppid != bwrap.pid or bwrap.exited():
         os.close(pidfd)
         return None
     return pidfd
 
 
-def _children_pidfds(proc: subprocess.Popen) -> list[int]:
+def _children_pidfds(bwrap: Spawned) -> list[int]:
     """pidfds of the children of bwrap (its init), found through /proc when its report did not come."""
     pids: set[int] = set()
     try:
-        for task in os.scandir(f"/proc/{proc.pid}/task"):
+        for task in os.scandir(f"/proc/{bwrap.pid}/task"):
             pids.update(int(p) for p in Path(task.path, "children").read_text().split())
     except OSError:
         pass
-    return [fd for fd in (_child_pidfd(proc, pid) for pid in pids) if fd is not None]
+    return [fd for fd in (_child_pidfd(bwrap, pid) for pid in pids) if fd is not None]
 
 
-def _kill_sandbox(proc: subprocess.Popen, init_pidfd: int | None) -> None:
+def _kill_sandbox(bwrap: Spawned, init_pidfd: int | None) -> None:
     """Kill the sandbox's init and wait until it has exited, which the kernel allows only once every
     other process of its PID namespace is gone; then make sure bwrap itself is gone.
 
     bwrap exits as soon as it knows the exit status; its init may outlive it by a moment and is then
     reaped by the host's PID 1 (a zombie runs nothing).
     """
-    extra = [] if init_pidfd is not None or proc.poll() is not None else _children_pidfds(proc)
+    extra = [] if init_pidfd is not None or bwrap.exited() else _children_pidfds(bwrap)
     pidfds = ([init_pidfd] if init_pidfd is not None else []) + extra
     for pidfd in pidfds:
         try:
@@ -286,12 +288,9 @@ def _kill_sandbox(proc: subprocess.Popen, init_pidfd: int | None) -> None:
     for pidfd in extra:
         os.close(pidfd)
     deadline = time.monotonic() + (2.0 if pidfds else 0.0)
-    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+    while not bwrap.exited():
         if time.monotonic() >= deadline:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # --die-with-parent takes the sandbox with bwrap
-            except (ProcessLookupError, PermissionError):
-                pass
+            bwrap.kill()  # --die-with-parent takes the sandbox with bwrap
             break
         time.sleep(0.002)
 
@@ -301,28 +300,28 @@ def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
     code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
     bpf = _seccomp_filter()
     seccomp_fd = None if bpf is None else _memfd("seccomp", bpf)
-    info_r, info_w = os.pipe()
-    passed = tuple(fd for fd in (code_fd, info_w, seccomp_fd) if fd is not None)
+    (info_r, info_w), (out_r, out_w) = os.pipe(), os.pipe()
     try:
-        cmd = bwrap_command(code_fd=code_fd, info_fd=info_w, disk_bytes=limits.max_disk_bytes,
-                            argv=[config], seccomp_fd=seccomp_fd)
-        proc = subprocess.Popen(cmd, pass_fds=passed, env={}, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                **spawn_identity()[1])
-    finally:
-        for fd in passed:
+        bwrap = spawn_bwrap(stdout_fd=out_w, info_fd=info_w, code_fd=code_fd, seccomp_fd=seccomp_fd,
+                            disk_bytes=limits.max_disk_bytes, argv=[config])
+    except BaseException:
+        for fd in (info_r, out_r):
             os.close(fd)
+        raise
+    finally:
+        for fd in (code_fd, info_w, out_w, seccomp_fd):
+            if fd is not None:
+                os.close(fd)
     init_pidfd = None
     try:
         try:
-            init_pidfd = _init_pidfd(proc, info_r, time.monotonic() + limits.wall_time_s)
-            output, killed = _collect(proc, limits)
+            init_pidfd = _init_pidfd(bwrap, info_r, time.monotonic() + limits.wall_time_s)
+            output, killed = _collect(out_r, bwrap.exited, limits)
         finally:
-            _kill_sandbox(proc, init_pidfd)
-            exit_code = proc.wait()
-            proc.stdout.close()
+            _kill_sandbox(bwrap, init_pidfd)
+            exit_code = bwrap.wait()
     finally:
-        for fd in (info_r, init_pidfd):
+        for fd in (info_r, out_r, init_pidfd):
             if fd is not None:
                 os.close(fd)
     if exit_code > 128 and killed is None:  # bwrap reports a child killed by signal N as 128 + N
@@ -349,7 +348,8 @@ def _run_audit_hook(code: str, limits: SandboxLimits) -> SandboxResult:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            output, killed = _collect(proc, limits)
+            output, killed = _collect(proc.stdout.fileno(), lambda: os.waitid(
+                os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None, limits)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # leftovers too; the leader is not reaped yet

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import glob
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -192,3 +193,13 @@ def test_seccomp_refuses_kernel_interfaces_a_program_does_not_need():
             "for nr in (101, 425, 321, 323):  # ptrace, io_uring_setup, bpf, userfaultfd\n"
             "    print(libc.syscall(nr, 0, 0, 0, 0), ctypes.get_errno())")
     assert run_sandboxed(code, SandboxLimits(audit_hook_layer=False)).output.split("\n")[:4] == ["-1 1"] * 4  # EPERM
+
+
+def test_a_new_launcher_takes_over_when_the_launcher_dies():
+    from agentrl.envs import _bwrap
+
+    assert run_sandboxed("print(1)", LIMITS).describe() == "1"
+    first = _bwrap._launcher().pid
+    os.kill(first, signal.SIGKILL)
+    assert run_sandboxed("print(2)", LIMITS).describe() == "2"
+    assert _bwrap._launcher().pid not in (None, first)
