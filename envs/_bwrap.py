@@ -53,8 +53,8 @@ def _launcher() -> Launcher:
 def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[str]:
     """The ``bwrap`` command that runs ``python -I -S CHILD_PATH *argv`` on ``main.py`` from descriptor 4.
 
-    Descriptors as bwrap gets them: 3 where it reports the sandbox init's host PID, 4 the program's
-    source (copied to ``/sandbox/main.py``), 5 the BPF seccomp program when ``seccomp``.
+    Descriptors as bwrap gets them: 3 where it reports (as JSON lines) the sandbox init's host PID and,
+    at the end, the exit code, 4 the program's source (copied to ``/sandbox/main.py``), 5 the BPF seccomp program when ``seccomp``.
 
     Args:
         disk_bytes: size of the ``/sandbox`` tmpfs (all files the program writes, together).
@@ -64,7 +64,7 @@ def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[st
     root = sandbox_root()
     cmd = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
            "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-           "--hostname", "sandbox", "--die-with-parent", "--new-session", "--info-fd", "3",
+           "--hostname", "sandbox", "--die-with-parent", "--new-session", "--json-status-fd", "3",
            "--clearenv", "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", WORKDIR,
            "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8",
            "--ro-bind", root.path, "/", "--proc", "/proc"]
@@ -78,13 +78,13 @@ def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[st
     return cmd
 
 
-def spawn_bwrap(*, stdout_fd: int, info_fd: int, code_fd: int, seccomp_fd: int | None, disk_bytes: int,
+def spawn_bwrap(*, stdout_fd: int, status_fd: int, code_fd: int, seccomp_fd: int | None, disk_bytes: int,
                 argv: list[str]) -> Spawned:
     """Start the sandbox (``bwrap_command``) as the unprivileged host uid, through the launcher.
 
     Args:
         stdout_fd: write end of the pipe that gets the program's stdout and stderr.
-        info_fd: write end of the pipe where bwrap reports the sandbox init's host PID.
+        status_fd: write end of the pipe where bwrap reports the sandbox init's host PID and the exit code.
         code_fd: readable descriptor of the program's source.
         seccomp_fd: readable descriptor of the BPF seccomp program, or None for none.
         disk_bytes: size of the ``/sandbox`` tmpfs.
@@ -93,7 +93,7 @@ def spawn_bwrap(*, stdout_fd: int, info_fd: int, code_fd: int, seccomp_fd: int |
     The caller keeps and closes the descriptors it passed.
     """
     cmd = bwrap_command(disk_bytes=disk_bytes, argv=argv, seccomp=seccomp_fd is not None)
-    fds = [info_fd, code_fd] + ([] if seccomp_fd is None else [seccomp_fd])
+    fds = [status_fd, code_fd] + ([] if seccomp_fd is None else [seccomp_fd])
     return _launcher().spawn(cmd, stdout_fd, fds)
 
 
@@ -118,30 +118,34 @@ def _check_once(child_argv: tuple[str, ...]) -> None:
         sandbox_root()
     except OSError as exc:
         raise BwrapUnavailableError(f"cannot prepare the sandbox's root file system: {exc}") from exc
-    code, (info_r, info_w), (out_r, out_w) = os.memfd_create("code"), os.pipe(), os.pipe()
-    output = b""
+    code, (status_r, status_w), (out_r, out_w) = os.memfd_create("code"), os.pipe(), os.pipe()
+    output, status = b"", b""
     try:
         os.write(code, b"print('sandbox-ok')\n")
         os.lseek(code, 0, 0)
         try:
-            spawned = spawn_bwrap(stdout_fd=out_w, info_fd=info_w, code_fd=code, seccomp_fd=None, disk_bytes=1 << 20,
-                                  argv=list(child_argv))
+            spawned = spawn_bwrap(stdout_fd=out_w, status_fd=status_w, code_fd=code, seccomp_fd=None,
+                                  disk_bytes=1 << 20, argv=list(child_argv))
         finally:
-            for fd in (code, info_w, out_w):
+            for fd in (code, status_w, out_w):
                 os.close(fd)
-        while select.select([out_r], [], [], 30)[0] and (chunk := os.read(out_r, 65536)):
-            output += chunk
-        if not spawned.exited():
-            spawned.kill()
-        returncode = spawned.wait()
+        try:
+            while select.select([out_r], [], [], 30)[0] and (chunk := os.read(out_r, 65536)):
+                output += chunk
+            if not spawned.wait_exit(5.0):
+                spawned.kill()
+            while select.select([status_r], [], [], 0)[0] and (chunk := os.read(status_r, 4096)):
+                status += chunk
+        finally:
+            spawned.close()
     except OSError as exc:
-        output, returncode = str(exc).encode(), None
+        output = str(exc).encode()
     finally:
-        os.close(info_r)
+        os.close(status_r)
         os.close(out_r)
     if output.decode(errors="replace").strip() != "sandbox-ok":
         raise BwrapUnavailableError(
-            f"bubblewrap cannot build the sandbox on this machine (exit {returncode}): "
+            f"bubblewrap cannot build the sandbox on this machine ({status.decode(errors='replace').strip() or 'no status'}): "
             f"{output.decode(errors='replace').strip()[-500:]}. It needs unprivileged user namespaces "
             f"(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0, and no AppArmor "
             f"restriction on them); otherwise {INSTALL_HINT.split(', or ', 1)[1]}")

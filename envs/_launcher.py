@@ -3,9 +3,9 @@
 Started once per process (it drops root itself; see ``_launcher_server.py``), the launcher makes a run
 cost one ``posix_spawn`` of ``bwrap`` from a small process, where starting it from here as another uid would
 cost an ``exec`` of ``setpriv`` as well (``Popen(user=...)`` is dearer still: it copies this whole process
-with ``fork``). Nothing of one run is shared with another: every request carries its own descriptors and gets a
-reply socket of its own. If the launcher dies, the runs it started end (``bwrap --die-with-parent``) and the
-next request starts a new one. Knows nothing of bwrap's options or of results.
+with ``fork``). Nothing of one run is shared with another: every request carries its own descriptors and gets
+a reply socket of its own. If the launcher dies, the runs it started end (``bwrap --die-with-parent``) and
+the next request starts a new one. Knows nothing of bwrap's options or of results.
 """
 
 from __future__ import annotations
@@ -20,23 +20,65 @@ import subprocess
 import threading
 from pathlib import Path
 
-__all__ = ["Launcher", "Spawned"]
+__all__ = ["Launcher", "LauncherDied", "Spawned"]
 
 _SERVER = Path(__file__).with_name("_launcher_server.py")
 
 
+class LauncherDied(OSError):
+    """The launcher exited before it answered a request: that bwrap never ran, the request can be sent again."""
+
+
 class Spawned:
-    """A ``bwrap`` started by the launcher: its PID, a pidfd, and its return code once reported."""
+    """A ``bwrap`` started by the launcher: its PID and a pidfd, read from the launcher's reply on first use
+    (by then it is usually there, so the caller does not wake up once more just for it).
 
-    def __init__(self, pid: int, pidfd: int, reply: socket.socket) -> None:
-        self.pid = pid
-        self.pidfd = pidfd
-        self._reply = reply
-        self.returncode: int | None = None
+    Raises (on every use of ``pid`` or ``pidfd`` after a failure):
+        LauncherDied: the launcher exited before it answered.
+        OSError: the launcher could not start bwrap.
+    """
 
-    def exited(self) -> bool:
-        """Whether bwrap has exited (it may not have been reaped yet)."""
-        return bool(select.select([self.pidfd], [], [], 0)[0])
+    def __init__(self, reply: socket.socket) -> None:
+        self._reply: socket.socket | None = reply
+        self._pid = -1
+        self._pidfd = -1
+        self._error: OSError | None = None
+
+    def _receive(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._reply is None:
+            return
+        reply, self._reply = self._reply, None
+        with reply:
+            fds = array.array("i")
+            msg, ancdata, _, _ = reply.recvmsg(4096, socket.CMSG_SPACE(fds.itemsize))
+        for level, kind, data in ancdata:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[:len(data) - len(data) % fds.itemsize])
+        if len(msg) < 4 or struct.unpack("i", msg[:4])[0] < 0 or len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            if len(msg) < 4:
+                self._error = LauncherDied("the sandbox launcher exited before it started bwrap")
+            else:
+                self._error = OSError(f"the sandbox launcher could not start bwrap: {msg[4:].decode(errors='replace')}")
+            raise self._error
+        self._pid, self._pidfd = struct.unpack("i", msg[:4])[0], fds[0]
+
+    @property
+    def pid(self) -> int:
+        self._receive()
+        return self._pid
+
+    @property
+    def pidfd(self) -> int:
+        self._receive()
+        return self._pidfd
+
+    def wait_exit(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for bwrap to exit; whether it has (reaped or not)."""
+        return bool(select.select([self.pidfd], [], [], max(0.0, timeout))[0])
 
     def kill(self) -> None:
         """SIGKILL to bwrap (through its pidfd: never another process)."""
@@ -45,15 +87,13 @@ class Spawned:
         except ProcessLookupError:
             pass
 
-    def wait(self) -> int:
-        """Block until the launcher reports the return code (``-N``: killed by signal N); close everything."""
-        if self.returncode is None:
-            data = self._reply.recv(64)
-            # no report: the launcher died; bwrap, whose parent it was, died with it
-            self.returncode = struct.unpack("i", data[:4])[0] if len(data) >= 4 else -signal.SIGKILL
+    def close(self) -> None:
+        if self._reply is not None:
             self._reply.close()
-            os.close(self.pidfd)
-        return self.returncode
+            self._reply = None
+        if self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
 
 
 class Launcher:
@@ -77,67 +117,48 @@ class Launcher:
         """PID of the launcher process, or None before the first run."""
         return None if self._proc is None else self._proc.pid
 
-    def _requests(self) -> socket.socket:
+    def _requests(self, restart: bool) -> socket.socket:
         with self._lock:
-            if self._sock is None or self._owner != os.getpid() or self._proc.poll() is not None:
+            if restart or self._sock is None or self._owner != os.getpid() or self._proc.poll() is not None:
                 self._start()
             return self._sock
 
     def _start(self) -> None:
         if self._proc is not None and self._owner == os.getpid():
-            self._close()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            # its stdout/stderr stay ours so that a crash there is seen
-            self._proc = subprocess.Popen([*self._command, str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL,
-                                          env={}, start_new_session=True)
-        finally:
-            theirs.close()
-        self._sock, self._owner = ours, os.getpid()
-
-    def _close(self) -> None:
-        if self._sock is not None:
             self._sock.close()  # the launcher sees EOF and exits
-        if self._proc is not None:
             try:
                 self._proc.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-        self._sock = self._proc = None
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:  # its stdout/stderr stay ours, so that a crash there is seen
+            self._proc = subprocess.Popen([*self._command, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                                          stdin=subprocess.DEVNULL, env={}, start_new_session=True)
+        finally:
+            theirs.close()
+        self._sock, self._owner = ours, os.getpid()
 
     def spawn(self, argv: list[str], stdout_w: int, fds: list[int]) -> Spawned:
         """Start ``argv`` with ``stdout_w`` as its stdout and stderr and ``fds`` as descriptors 3, 4, ...
 
-        The caller keeps (and closes) ``stdout_w`` and ``fds``.
+        The caller keeps (and closes) ``stdout_w`` and ``fds``, and closes the result.
 
         Raises:
-            OSError: the launcher could not start ``argv``.
+            OSError: the request could not be sent, even to a newly started launcher.
         """
         message = "\0".join(argv).encode()
         for attempt in range(2):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
             try:
-                try:
-                    self._requests().sendmsg([message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                          array.array("i", [theirs.fileno(), stdout_w, *fds]))])
-                except OSError:
-                    if attempt:
-                        raise
-                    continue  # the launcher died since: start a new one
+                self._requests(restart=attempt > 0).sendmsg(
+                    [message], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [theirs.fileno(), stdout_w, *fds]))])
+            except OSError:
+                ours.close()
+                if attempt:
+                    raise
+                continue  # the launcher died since its last request: start a new one
             finally:
                 theirs.close()
-            fds_out = array.array("i")
-            msg, ancdata, _, _ = ours.recvmsg(4096, socket.CMSG_SPACE(4))
-            for level, kind, data in ancdata:
-                if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
-                    fds_out.frombytes(data[:len(data) - len(data) % fds_out.itemsize])
-            if len(msg) < 4 or (pid := struct.unpack("i", msg[:4])[0]) < 0 or not fds_out:
-                ours.close()
-                for fd in fds_out:
-                    os.close(fd)
-                if len(msg) >= 4 or attempt:
-                    raise OSError(f"the sandbox launcher could not start bwrap: {msg[4:].decode(errors='replace')}")
-                continue  # no answer: the launcher died since
-            return Spawned(pid, fds_out[0], ours)
+            return Spawned(ours)
         raise AssertionError("unreachable")

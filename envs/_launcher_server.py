@@ -5,9 +5,10 @@ as root, it drops to the sandbox's host uid (groups cleared; the kernel then cle
 right after its imports, so each run costs one ``posix_spawn`` of ``bwrap`` from a small unprivileged
 process instead of an ``exec`` of ``setpriv`` as well. Requests come on descriptor FD, a ``SOCK_SEQPACKET`` socket held only
 by the parent: the argument vector (NUL-separated) with descriptors [reply socket, stdout, then those that
-bwrap gets as 3, 4, ...]. On the reply socket it sends the PID and a pidfd of ``bwrap``, then, once bwrap
-has exited, its return code (``-N`` for signal N). It exits when the parent's end closes (the parent died),
-and ``bwrap --die-with-parent`` then takes every sandbox with it. Standard library only; knows nothing of
+bwrap gets as 3, 4, ...]. On the reply socket it sends the PID and a pidfd of ``bwrap`` (or -1 and why
+not); it reaps bwrap when it exits (bwrap reports its exit code itself, on its ``--json-status-fd``). It
+exits when the parent's end closes (the parent died), and ``bwrap --die-with-parent`` then takes every
+sandbox with it. Standard library only; knows nothing of
 bwrap's options.
 """
 
@@ -30,11 +31,6 @@ def _spawn(argv: list[bytes], fds: list[int], devnull: int) -> int:
     return os.posix_spawn(argv[0], argv, {}, file_actions=actions, setsid=True)
 
 
-def _return_code(pidfd: int) -> int:
-    info = os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
-    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
-
-
 def _drop_privileges(uid: int) -> None:
     if os.getuid() == 0:
         os.setgroups([])
@@ -53,20 +49,19 @@ def main() -> None:
     devnull = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(requests, select.POLLIN)
-    running: dict[int, socket.socket] = {}  # pidfd -> reply socket
+    running: set[int] = set()  # pidfds of the bwraps started
     while True:
         for fd, _ in poller.poll():
-            if fd in running:
-                reply = running.pop(fd)
+            if fd in running:  # bwrap has exited: reap it
+                running.remove(fd)
                 poller.unregister(fd)
-                try:
-                    reply.send(struct.pack("i", _return_code(fd)))
-                except OSError:
-                    pass  # the parent gave up on this run
+                os.waitid(os.P_PIDFD, fd, os.WEXITED)
                 os.close(fd)
-                reply.close()
                 continue
-            msg, ancdata, _, _ = requests.recvmsg(1 << 20, socket.CMSG_SPACE(_MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+            try:
+                msg, ancdata, _, _ = requests.recvmsg(1 << 20, socket.CMSG_SPACE(_MAX_FDS * 4), socket.MSG_CMSG_CLOEXEC)
+            except OSError:
+                msg = b""
             if not msg:
                 sys.exit(0)  # the parent's end is closed: it has exited
             received = array.array("i")
@@ -76,6 +71,10 @@ def main() -> None:
             high = [fcntl.fcntl(f, fcntl.F_DUPFD_CLOEXEC, _HIGH) for f in received]
             for f in received:
                 os.close(f)
+            if len(high) < 2:  # not a request of ours: nothing to answer on
+                for f in high:
+                    os.close(f)
+                continue
             reply = socket.socket(fileno=high[0])
             try:
                 pid = _spawn(msg.split(b"\0"), high[1:], devnull)
@@ -91,7 +90,8 @@ def main() -> None:
                 reply.sendmsg([struct.pack("i", pid)], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [pidfd]))])
             except OSError:
                 pass  # the parent gave up; bwrap is still reaped below
-            running[pidfd] = reply
+            reply.close()
+            running.add(pidfd)
             poller.register(pidfd, select.POLLIN)
 
 
