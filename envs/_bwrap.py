@@ -13,8 +13,11 @@ What the sandboxed program gets (the kernel enforces all of it, nothing here run
   a fresh ``/proc``; a read-only ``/dev`` holding only ``null``, ``zero`` and ``urandom`` (and the
   ``fd``/``stdin``/``stdout``/``stderr`` links); a size-limited private tmpfs ``/sandbox`` (also ``/tmp``) as the working directory.
   No host ``/etc``, ``/home``, ``/root`` contents, ``/usr/bin``, project files or environment variables.
-- ``--die-with-parent`` and a PID-namespace init: when its init is killed, the kernel kills everything
-  the program started, sessions and daemons included.
+- ``--die-with-parent``, and the program is the PID-namespace init itself (``--as-pid-1``: no reaper
+  process in between, one process and one wake-up less per run): when it exits or is killed, the kernel
+  kills everything it started, sessions and daemons included. As for any such init, a signal with the
+  default action that it gets from inside its namespace (``os.kill(os.getpid(), SIGTERM)``) is ignored;
+  faults and the kernel's limit signals still end it.
 
 Each bind costs bwrap a mount and a parse of the mount table, so there are as few as the layout allows
 (bench/RESULTS.md has the breakdown of a run's CPU time). This module knows nothing of limits or results
@@ -53,7 +56,7 @@ def _launcher() -> Launcher:
 def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[str]:
     """The ``bwrap`` command that runs ``python -I -S CHILD_PATH *argv`` on ``main.py`` from descriptor 4.
 
-    Descriptors as bwrap gets them: 3 where it reports (as JSON lines) the sandbox init's host PID and,
+    Descriptors as bwrap gets them: 3 where it reports (as JSON lines) the program's host PID and,
     at the end, the exit code, 4 the program's source (copied to ``/sandbox/main.py``), 5 the BPF seccomp program when ``seccomp``.
 
     Args:
@@ -62,7 +65,7 @@ def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[st
         seccomp: apply the seccomp program of descriptor 5.
     """
     root = sandbox_root()
-    cmd = [shutil.which("bwrap") or "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+    cmd = [shutil.which("bwrap") or "bwrap", "--as-pid-1", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
            "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--json-status-fd", "3",
            "--clearenv", "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", WORKDIR,
@@ -84,7 +87,7 @@ def spawn_bwrap(*, stdout_fd: int, status_fd: int, code_fd: int, seccomp_fd: int
 
     Args:
         stdout_fd: write end of the pipe that gets the program's stdout and stderr.
-        status_fd: write end of the pipe where bwrap reports the sandbox init's host PID and the exit code.
+        status_fd: write end of the pipe where bwrap reports the program's host PID and the exit code.
         code_fd: readable descriptor of the program's source.
         seccomp_fd: readable descriptor of the BPF seccomp program, or None for none.
         disk_bytes: size of the ``/sandbox`` tmpfs.

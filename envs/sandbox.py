@@ -228,7 +228,7 @@ def _memfd(name: str, data: bytes) -> int:
 
 
 class _Status:
-    """bwrap's ``--json-status-fd`` reports, read as they come: the init's host PID, then the exit code."""
+    """bwrap's ``--json-status-fd`` reports, read as they come: the program's host PID, then the exit code."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -248,7 +248,7 @@ class _Status:
 
 
 def _init_pidfd(bwrap: Spawned, status: _Status, deadline: float) -> int | None:
-    """A pidfd of the sandbox's PID-namespace init, from bwrap's status report, or None.
+    """A pidfd of the sandbox's PID-namespace init (the program), from bwrap's status report, or None.
 
     A pidfd names one process for good, so killing through it later cannot hit a reused PID; the PID is
     checked to be bwrap's child while bwrap is alive (so neither PID can have been reused yet).
@@ -275,7 +275,7 @@ def _child_pidfd(bwrap: Spawned, pid: int) -> int | None:
 
 
 def _children_pidfds(bwrap: Spawned) -> list[int]:
-    """pidfds of the children of bwrap (its init), found through /proc when its report did not come."""
+    """pidfds of the children of bwrap (the init), found through /proc when its report did not come."""
     pids: set[int] = set()
     try:
         for task in os.scandir(f"/proc/{bwrap.pid}/task"):
@@ -286,11 +286,9 @@ def _children_pidfds(bwrap: Spawned) -> list[int]:
 
 
 def _kill_sandbox(bwrap: Spawned, init_pidfd: int | None) -> None:
-    """Kill the sandbox's init and wait until it has exited, which the kernel allows only once every
-    other process of its PID namespace is gone; then make sure bwrap itself is gone.
-
-    bwrap exits as soon as it knows the exit status; its init may outlive it by a moment and is then
-    reaped by the host's PID 1 (a zombie runs nothing).
+    """Kill the sandbox's init (the program) and wait until it has exited, which the kernel allows only
+    once every other process of its PID namespace is gone; then make sure bwrap (which reaps the init
+    and exits with its status) is gone too.
     """
     extra = [] if init_pidfd is not None or bwrap.wait_exit(0) else _children_pidfds(bwrap)
     pidfds = ([init_pidfd] if init_pidfd is not None else []) + extra
@@ -315,7 +313,7 @@ def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
 
 
 def _run_bwrap_once(code: str, limits: SandboxLimits) -> SandboxResult:
-    config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + bwrap's init, python
+    config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + the program, one spare
     code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
     bpf = _seccomp_filter()
     seccomp_fd = None if bpf is None else _memfd("seccomp", bpf)
