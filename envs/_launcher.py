@@ -11,6 +11,7 @@ the next request starts a new one. Knows nothing of bwrap's options or of result
 from __future__ import annotations
 
 import array
+import atexit
 import os
 import select
 import signal
@@ -111,6 +112,8 @@ class Launcher:
         self._sock: socket.socket | None = None
         self._proc: subprocess.Popen | None = None
         self._owner = 0
+        self._atexit = False
+        self._forked_from: subprocess.Popen | None = None
 
     @property
     def pid(self) -> int | None:
@@ -124,13 +127,7 @@ class Launcher:
             return self._sock
 
     def _start(self) -> None:
-        if self._proc is not None and self._owner == os.getpid():
-            self._sock.close()  # the launcher sees EOF and exits
-            try:
-                self._proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        self._stop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:  # its stdout/stderr stay ours, so that a crash there is seen
             self._proc = subprocess.Popen([*self._command, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
@@ -138,6 +135,27 @@ class Launcher:
         finally:
             theirs.close()
         self._sock, self._owner = ours, os.getpid()
+        if not self._atexit:
+            atexit.register(self.close)
+            self._atexit = True
+
+    def _stop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()  # the launcher sees EOF and exits (a forked child only drops its copy)
+        if self._proc is not None and self._owner == os.getpid():
+            try:
+                self._proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        elif self._proc is not None:
+            self._forked_from = self._proc  # the parent's, not ours to wait for (nor to warn about when freed)
+        self._sock = self._proc = None
+
+    def close(self) -> None:
+        """Stop the launcher (a later ``spawn`` starts a new one). Runs it started end with it."""
+        with self._lock:
+            self._stop()
 
     def spawn(self, argv: list[str], stdout_w: int, fds: list[int]) -> Spawned:
         """Start ``argv`` with ``stdout_w`` as its stdout and stderr and ``fds`` as descriptors 3, 4, ...

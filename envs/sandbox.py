@@ -342,8 +342,8 @@ def _run_bwrap_once(code: str, limits: SandboxLimits) -> SandboxResult:
         for fd in (status_r, out_r, init_pidfd):
             if fd is not None:
                 os.close(fd)
-    if exit_code is None:  # bwrap itself was killed (the deadline, or its launcher died)
-        exit_code = -signal.SIGKILL
+    if exit_code is None:  # bwrap itself was killed: the deadline, or its launcher died
+        exit_code, killed = -signal.SIGKILL, killed or "crashed"
     elif exit_code > 128:  # bwrap reports a child killed by signal N as 128 + N
         exit_code = -(exit_code - 128)
     return _result(output, killed, exit_code, limits)

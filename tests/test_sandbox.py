@@ -8,7 +8,9 @@ import os
 import signal
 import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from agentrl.envs import (
@@ -203,3 +205,23 @@ def test_a_new_launcher_takes_over_when_the_launcher_dies():
     os.kill(first, signal.SIGKILL)
     assert run_sandboxed("print(2)", LIMITS).describe() == "2"
     assert _bwrap._launcher().pid not in (None, first)
+
+
+def test_a_run_in_flight_ends_when_the_launcher_dies():
+    from agentrl.envs import _bwrap
+
+    assert run_sandboxed("print(1)", LIMITS).describe() == "1"
+    launcher = _bwrap._launcher().pid
+    results = []
+    thread = threading.Thread(target=lambda: results.append(
+        run_sandboxed("import time\nprint('started', flush=True)\ntime.sleep(30)", SandboxLimits(wall_time_s=20))))
+    start = time.monotonic()
+    thread.start()
+    while not Path(f"/proc/{launcher}/task/{launcher}/children").read_text().strip():
+        time.sleep(0.01)  # the launcher has started its bwrap
+    time.sleep(0.3)
+    os.kill(launcher, signal.SIGKILL)
+    thread.join(timeout=15)
+    assert results and results[0].status == "crashed", results
+    assert time.monotonic() - start < 10
+    assert run_sandboxed("print(2)", LIMITS).describe() == "2"
