@@ -49,15 +49,21 @@ class BwrapUnavailableError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=1)
+def _bwrap_path() -> str:
+    return shutil.which("bwrap") or "bwrap"
+
+
+@functools.lru_cache(maxsize=1)
 def _launcher() -> Launcher:
-    return Launcher(os.path.realpath(sys.executable), shutil.which("bwrap") or "bwrap", SANDBOX_UID)
+    return Launcher(os.path.realpath(sys.executable), _bwrap_path(), SANDBOX_UID)
 
 
 def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[str]:
     """The ``bwrap`` command that runs ``python -I -S CHILD_PATH *argv`` on ``main.py`` from descriptor 4.
 
-    Descriptors as bwrap gets them: 3 where it reports (as JSON lines) the program's host PID and,
-    at the end, the exit code, 4 the program's source (copied to ``/sandbox/main.py``), 5 the BPF seccomp program when ``seccomp``.
+    Descriptors as bwrap gets them: 3 where it reports (as JSON lines) the program's host PID and, at
+    the end, its exit code; 4 the program's source (copied to ``/sandbox/main.py``); 5 the BPF seccomp
+    program when ``seccomp``.
 
     Args:
         disk_bytes: size of the ``/sandbox`` tmpfs (all files the program writes, together).
@@ -65,8 +71,8 @@ def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[st
         seccomp: apply the seccomp program of descriptor 5.
     """
     root = sandbox_root()
-    cmd = [shutil.which("bwrap") or "bwrap", "--as-pid-1", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-           "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+    cmd = [_bwrap_path(), "--as-pid-1", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+           "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
            "--hostname", "sandbox", "--die-with-parent", "--new-session", "--json-status-fd", "3",
            "--clearenv", "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", WORKDIR,
            "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8",
