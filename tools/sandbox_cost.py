@@ -146,6 +146,13 @@ def main() -> None:
                 run_once(table[name])
             wall[name].append((time.perf_counter() - start) / 10)
             cpu[name] += cpu_s() - start_cpu
+    _LAUNCHER().close()  # leave the group empty, then remove it
+    with open(os.path.join(os.path.dirname(CGROUP), "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    try:
+        os.rmdir(CGROUP)
+    except OSError:
+        pass
     print(f"load {os.getloadavg()[0]:.1f}; {rounds * 10} runs each, in rounds of 10")
     print(f"| {'variant':48s} | CPU ms/run | wall ms/run (median of rounds) |")
     print(f"| {'-' * 48} | ---------- | ------------------------------ |")
