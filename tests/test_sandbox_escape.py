@@ -10,6 +10,8 @@ layer switched off, so what holds is the kernel alone. After each run the judge 
 - this process and a victim process of the sandbox's host uid are alive; ``core_pattern`` is unchanged;
 - the launcher (the process outside every sandbox that starts ``bwrap``, as the sandbox's host uid) is the
   same process as before the run, alive, without capabilities, and has no child left;
+- the files of the sandbox's prepared root (hard links to the host's interpreter, standard library and
+  libraries, and the entry script) have the same content, mode and times as before;
 - a secret held only by the host side (a world-readable file, an environment variable of this process
   and of the victim, a directory name in ``/tmp``) does not come back in the output;
 - for the grader class, the reward is not above the honest reward of the same (wrong) function.
@@ -19,6 +21,7 @@ No attack reaches beyond loopback or the sockets and files this test creates.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import selectors
@@ -33,6 +36,7 @@ from pathlib import Path
 import pytest
 from agentrl.envs import PythonSandboxEnv, SandboxLimits, _bwrap, run_sandboxed
 from agentrl.envs._bwrap import SANDBOX_UID
+from agentrl.envs._sandbox_root import CHILD_PATH, sandbox_root
 from agentrl.envs.python_sandbox import MARKER
 
 KERNEL_ONLY = SandboxLimits(cpu_time_s=1, wall_time_s=1.5, memory_mb=256, max_output_bytes=8192,
@@ -56,6 +60,7 @@ class Judge:
     victim: subprocess.Popen
     core_pattern: str
     launcher: int  # PID of the process that starts bwrap (outside the sandbox, as its host uid)
+    tree: dict  # host path of a file in the sandbox's root -> its fingerprint
     received: list = field(default_factory=list)
     canaries: list = field(default_factory=list)
     before: frozenset = frozenset()  # processes of the sandbox uid that were there before this module
@@ -81,6 +86,7 @@ class Judge:
         assert self.victim.poll() is None, "the victim process (host uid of the sandbox) was killed"
         assert _core_pattern() == self.core_pattern
         assert _launcher_pid() == self.launcher, "the launcher was replaced (it died or was killed)"
+        assert _fingerprints(self.tree) == self.tree, "a file of the sandbox's root (a host file) changed"
         status = Path(f"/proc/{self.launcher}/status").read_text()
         assert "\nCapEff:\t0000000000000000\n" in status, "the launcher holds capabilities"
         if os.getuid() == 0:
@@ -125,6 +131,24 @@ def win(how=""):
 
 def _launcher_pid() -> int:
     return _bwrap._launcher().pid
+
+
+def _tree_files() -> list[str]:
+    """Files of the prepared root that an attacker would most like to change (hard links to host files)."""
+    root = sandbox_root().path
+    inside = [sandbox_root().executable, CHILD_PATH, os.path.join(os.path.dirname(os.__file__), "os.py"),
+              "/usr/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib64/ld-linux-x86-64.so.2"]
+    return [root + p for p in inside if os.path.exists(root + p)]
+
+
+def _fingerprints(paths) -> dict:
+    out = {}
+    for path in paths:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            out[path] = (st.st_mode, st.st_uid, st.st_nlink, st.st_mtime_ns, st.st_ctime_ns,
+                         hashlib.sha256(f.read()).hexdigest())
+    return out
 
 
 def _core_pattern() -> str:
@@ -212,7 +236,7 @@ def judge_base():
     port, thread = _listen(received, stop, unix_path, abstract)
     assert run_sandboxed("print(1)", KERNEL_ONLY).output == "1\n"  # the launcher is up
     judge = Judge(port, unix_path, abstract, secret_file, secret_dir, keep_dir, victim,
-                  _core_pattern(), _launcher_pid(), received)
+                  _core_pattern(), _launcher_pid(), _fingerprints(_tree_files()), received)
     judge.before = frozenset(int(line.split()[0]) for line in leftovers(victim.pid).splitlines())
     yield judge
     stop.set()
@@ -584,6 +608,33 @@ for path in ("/dev/tty", "/proc/%d/fd/0" % HOST_PID, "/dev/console", "/dev/pts/0
         print("no", path, e)
 ''')
 
+# the prepared root's files are hard links to the host's: a change there would be a change on the host
+attack("the prepared root: rewrite, rename, unlink, chmod or link interpreter, libc, os.py, entry script", '''
+import shutil
+targets = [sys.executable, "/.agentrl/child.pyc", os.__file__, "/usr/lib/x86_64-linux-gnu/libc.so.6",
+           "/usr/lib64/ld-linux-x86-64.so.2"]
+for path in targets:
+    for name, how in (("append", lambda p: open(p, "ab").write(b"evil")),
+                      ("truncate", lambda p: os.truncate(p, 0)),
+                      ("open O_TRUNC", lambda p: os.close(os.open(p, os.O_WRONLY | os.O_TRUNC))),
+                      ("chmod", lambda p: os.chmod(p, 0o777)),
+                      ("utime", lambda p: os.utime(p, (0, 0))),
+                      ("link", lambda p: os.link(p, "linked")),
+                      ("rename", lambda p: os.rename(p, p + ".moved")),
+                      ("unlink", lambda p: os.unlink(p)),
+                      ("copy over", lambda p: shutil.copyfile("/.agentrl/child.pyc", p))):
+        try:
+            how(path); print("did", name, path)
+        except OSError as e:
+            print("no", name, path, e.errno)
+    try:
+        with open(path, "r+b") as f:
+            f.write(b"\\x00" * 16); print("overwrote", path)
+    except OSError as e:
+        print("no r+b", path, e.errno)
+win("tree")
+''')
+
 # --- the launcher: a process outside every sandbox that starts bwrap on request ---
 attack("launcher: every inherited socket asked to start a host shell, and a bwrap that binds the host root", '''
 import array, socket, stat
@@ -822,7 +873,8 @@ def test_a_run_cannot_take_other_runs_requests_from_the_launcher(judge):
 def test_the_suite_covers_every_class():
     assert len(ATTACKS) >= 40
     prefixes = ("hook:", "ctypes", "mknod", "mkfifo", "pidfd", "/proc/<host pid>/mem", "a setsid", "fork bomb",
-                "thread bomb", "memory:", "infinite output", "CPU spin", "disk filling", "deep recursion")
+                "thread bomb", "memory:", "infinite output", "CPU spin", "disk filling", "deep recursion", "launcher:",
+                "the prepared root")
     assert all(any(name.startswith(p) for name in ATTACKS) for p in prefixes)
 
 
