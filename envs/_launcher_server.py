@@ -1,15 +1,16 @@
-"""The launcher process: starts ``bwrap`` on request and reports how it ended.
+"""The launcher process: starts ``bwrap`` on request (see ``_launcher.py`` for the parent's side).
 
-Run as ``python -I -S -c SOURCE BWRAP UID FD``. It lives as long as the process that uses the sandbox; started
-as root, it drops to the sandbox's host uid (groups cleared; the kernel then clears every capability)
-right after its imports, so each run costs one ``posix_spawn`` of ``bwrap`` from a small unprivileged
-process instead of an ``exec`` of ``setpriv`` as well. Requests come on descriptor FD, a ``SOCK_SEQPACKET`` socket held only
-by the parent: the argument vector (NUL-separated) with descriptors [reply socket, stdout, then those that
-bwrap gets as 3, 4, ...]. On the reply socket it sends the PID and a pidfd of ``bwrap`` (or -1 and why
-not); it reaps bwrap when it exits (bwrap reports its exit code itself, on its ``--json-status-fd``). It
-exits when the parent's end closes (the parent died), and ``bwrap --die-with-parent`` then takes every
-sandbox with it. Standard library only; knows nothing of
-bwrap's options.
+Run as ``python -I -S -c SOURCE BWRAP UID FD``; it lives as long as the process that uses the sandbox.
+Started as root, it drops to the sandbox's host uid right after its imports (groups cleared; the kernel
+then clears every capability), so each run costs one ``posix_spawn`` of ``bwrap`` from a small
+unprivileged process instead of an ``exec`` of ``setpriv`` as well.
+
+Requests come on descriptor FD, a ``SOCK_SEQPACKET`` socket held only by the parent (and never passed
+on): the argument vector (NUL-separated) with descriptors [reply socket, stdout, then those that bwrap
+gets as 3, 4, ...]. On the reply socket it sends the PID and a pidfd of ``bwrap`` (or -1 and why not),
+and reaps bwrap when it exits (bwrap reports its exit code itself, on its ``--json-status-fd``). It exits
+when the parent's end closes (the parent died); ``bwrap --die-with-parent`` then takes every sandbox
+with it. Standard library only; knows nothing of bwrap's options.
 """
 
 import array
