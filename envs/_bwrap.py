@@ -8,35 +8,38 @@ What the sandboxed program gets (the kernel enforces all of it, nothing here run
   of root's processes, no file of root's it could not read as "nobody");
 - new PID, IPC, UTS, cgroup and network namespaces: it sees only its own processes, has only a
   loopback interface of its own, reaches no host Unix socket; ``--new-session`` (no terminal ioctls);
-- a new mount namespace whose root is an empty read-only tmpfs holding: read-only binds of the Python
-  interpreter, its standard library and the shared-library directories it loads from; a fresh ``/proc``
-  and a minimal read-only ``/dev``; a size-limited private tmpfs ``/sandbox`` (also ``/tmp``) as the working directory.
+- a new mount namespace whose root is one read-only bind of a prepared minimal tree (``_sandbox_root.py``:
+  the interpreter, its standard library, the shared libraries it loads, the entry script as bytecode);
+  a fresh ``/proc``; a read-only ``/dev`` holding only ``null``, ``zero`` and ``urandom`` (and the
+  ``fd``/``stdin``/``stdout``/``stderr`` links); a size-limited private tmpfs ``/sandbox`` (also ``/tmp``) as the working directory.
   No host ``/etc``, ``/home``, ``/root`` contents, ``/usr/bin``, project files or environment variables.
-- ``--die-with-parent`` and a PID-namespace init: when its init is killed, the kernel kills everything
-  the program started, sessions and daemons included.
+- ``--die-with-parent``, and the program is the PID-namespace init itself (``--as-pid-1``: no reaper
+  process in between, one process and one wake-up less per run): when it exits or is killed, the kernel
+  kills everything it started, sessions and daemons included. As for any such init, a signal with the
+  default action that it gets from inside its namespace (``os.kill(os.getpid(), SIGTERM)``) is ignored;
+  faults and the kernel's limit signals still end it.
 
-This module knows nothing of limits or results (``sandbox.py``) or of what runs inside (``_sandbox_child.py``).
+Each bind costs bwrap a mount and a parse of the mount table, so there are as few as the layout allows
+(bench/RESULTS.md has the breakdown of a run's CPU time). This module knows nothing of limits or results
+(``sandbox.py``) or of what runs inside (``_sandbox_child.py``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
+import select
 import shutil
-import stat
-import subprocess
 import sys
-import sysconfig
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 
-__all__ = ["SANDBOX_UID", "WORKDIR", "BwrapUnavailableError", "bwrap_command", "check_bwrap", "spawn_identity"]
+from agentrl.envs._launcher import Launcher, Spawned
+from agentrl.envs._sandbox_root import CHILD_PATH, DEVICES, sandbox_root
+
+__all__ = ["SANDBOX_UID", "WORKDIR", "BwrapUnavailableError", "bwrap_command", "check_bwrap", "spawn_bwrap"]
 
 SANDBOX_UID = 65534  # "nobody", inside the sandbox and, when the caller is root, on the host too
 WORKDIR = "/sandbox"
-CHILD_PATH = "/.agentrl/child.py"
 INSTALL_HINT = ("install it with `apt-get install bubblewrap` (scripts/setup_venv.sh does so when run as root), "
                 "or choose backend='audit_hook' explicitly (an in-process hook: NOT a security boundary)")
 
@@ -45,174 +48,113 @@ class BwrapUnavailableError(RuntimeError):
     """bubblewrap is missing or cannot create its namespaces on this machine."""
 
 
-@dataclass(frozen=True)
-class _Bind:
-    source: str  # host path readable by the sandbox uid
-    dest: str  # where the sandbox sees it
-
-
-def _world_readable(path: str) -> bool:
-    """Whether a uid with no privileges can reach and read ``path`` (every ancestor searchable)."""
-    p = Path(path)
-    for ancestor in reversed(p.parents):
-        if not os.stat(ancestor).st_mode & stat.S_IXOTH:
-            return False
-    mode = os.stat(p).st_mode
-    return bool(mode & stat.S_IROTH) and (not stat.S_ISDIR(mode) or bool(mode & stat.S_IXOTH))
-
-
-def _needed_library_dirs(executable: str, dynload: str) -> list[str]:
-    """Directories of the shared libraries the interpreter and its extension modules load (``ldd``)."""
-    objects = [executable, *(str(p) for p in Path(dynload).glob("*.so"))]
-    dirs = {"/usr/lib", "/usr/lib64"} if shutil.which("ldd") is None else set()
-    if not dirs:
-        out = subprocess.run(["ldd", *objects], capture_output=True, text=True, timeout=60, check=False).stdout
-        for line in out.splitlines():
-            if not line[:1].isspace():  # "path/of/object:" headers, not libraries
-                continue
-            parts = line.split("=>")
-            target = (parts[1] if len(parts) > 1 else parts[0]).strip().split(" (")[0].strip()
-            if target.startswith("/"):
-                dirs.add(os.path.dirname(os.path.realpath(target)))
-                dirs.add(os.path.dirname(target))
-    return sorted(d for d in dirs if os.path.isdir(d))
-
-
-def _view(paths: list[str]) -> str:
-    """A root-owned copy (hard links where possible) of ``paths`` that the sandbox uid can reach.
-
-    Needed when the interpreter lives somewhere "nobody" cannot traverse (pyenv under ``/root``).
-    Made once per interpreter and kept; the sandbox binds it read-only at the original paths.
-    """
-    exe = os.stat(os.path.realpath(sys.executable))
-    what = hashlib.sha256("\n".join(paths).encode()).hexdigest()[:12]
-    tag = f"{sys.implementation.cache_tag}-{exe.st_dev}-{exe.st_ino}-{int(exe.st_mtime)}-{what}"
-    root = Path("/var/cache/agentrl-sandbox") / tag
-    if (root / ".ready").exists():
-        return str(root)
-    tmp = root.with_name(f"{tag}.tmp{os.getpid()}-{threading.get_ident()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-
-    def place(src: str, dst: str) -> None:
-        try:
-            os.link(src, dst)
-        except OSError:
-            shutil.copy2(src, dst)
-
-    for path in paths:
-        dest = tmp / path.lstrip("/")
-        if os.path.isdir(path):
-            shutil.copytree(path, dest, symlinks=True, copy_function=place,
-                            ignore=shutil.ignore_patterns("site-packages", "test", "idlelib", "turtledemo"))
-        else:
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            place(path, str(dest))
-    for dirpath, _, _ in os.walk(tmp):  # new directories only: a file's mode is its original's (hard link)
-        os.chmod(dirpath, 0o755)
-    (tmp / ".ready").touch()
-    root.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(root.parent, 0o755)
-    try:
-        os.rename(tmp, root)
-    except OSError:  # another process made it first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(root)
+@functools.lru_cache(maxsize=1)
+def _bwrap_path() -> str:
+    return shutil.which("bwrap") or "bwrap"
 
 
 @functools.lru_cache(maxsize=1)
-def _interpreter_binds() -> tuple[str, tuple[_Bind, ...]]:
-    """(interpreter path inside the sandbox, read-only binds that make it run), computed once."""
-    executable = os.path.realpath(sys.executable)
-    # the base installation's paths: in a virtualenv the default ones point into the venv (site-packages)
-    paths = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix,
-                                      "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix})
-    dynload = os.path.join(paths["platstdlib"], "lib-dynload")
-    wanted = [executable, paths["stdlib"], paths["platstdlib"], *_needed_library_dirs(executable, dynload)]
-    if os.path.isdir(dynload) and not os.path.realpath(dynload).startswith(os.path.realpath(paths["platstdlib"])):
-        wanted.append(dynload)
-    wanted = sorted({os.path.realpath(p) for p in wanted})
-    wanted = [p for p in wanted if not any(p.startswith(q + os.sep) for q in wanted if q != p)]  # outermost only
-    hidden = [p for p in wanted if not _world_readable(p)] if os.getuid() == 0 else []
-    view = _view(hidden) if hidden else ""
-    binds = tuple(_Bind(view + p if p in hidden else p, p) for p in wanted)
-    return executable, binds
+def _launcher() -> Launcher:
+    return Launcher(os.path.realpath(sys.executable), _bwrap_path(), SANDBOX_UID)
 
 
-def spawn_identity() -> tuple[list[str], dict]:
-    """(command prefix, ``subprocess.Popen`` keyword arguments) that start ``bwrap`` as an unprivileged
-    host user when the caller is root.
+def bwrap_command(*, disk_bytes: int, argv: list[str], seccomp: bool) -> list[str]:
+    """The ``bwrap`` command that runs ``python -I -S CHILD_PATH *argv`` on ``main.py`` from descriptor 4.
 
-    ``setpriv`` (util-linux) drops the ids after a cheap ``vfork``; Popen's own ``user=``/``group=`` would
-    make it copy the whole (large) parent process with ``fork`` instead, ~20 ms more per run.
-    """
-    if os.getuid() != 0:
-        return [], {}
-    if shutil.which("setpriv") is not None:
-        return ["setpriv", f"--reuid={SANDBOX_UID}", f"--regid={SANDBOX_UID}", "--clear-groups", "--"], {}
-    return [], {"user": SANDBOX_UID, "group": SANDBOX_UID, "extra_groups": []}
-
-
-def bwrap_command(*, code_fd: int, child_fd: int, info_fd: int, disk_bytes: int, argv: list[str],
-                  seccomp_fd: int | None = None) -> list[str]:
-    """The ``bwrap`` command that runs ``python -I -S CHILD_PATH *argv`` with ``main.py`` from ``code_fd``.
+    Descriptors as bwrap gets them: 3 where it reports (as JSON lines) the program's host PID and, at
+    the end, its exit code; 4 the program's source (copied to ``/sandbox/main.py``); 5 the BPF seccomp
+    program when ``seccomp``.
 
     Args:
-        code_fd: readable descriptor of the program's source; copied to ``/sandbox/main.py``.
-        child_fd: readable descriptor of ``_sandbox_child.py``; bound read-only at ``CHILD_PATH``.
-        info_fd: writable descriptor where bwrap reports the host PID of the sandbox's init.
         disk_bytes: size of the ``/sandbox`` tmpfs (all files the program writes, together).
-        argv: arguments after the child script.
-        seccomp_fd: readable descriptor of a BPF seccomp program applied to the program, or None.
+        argv: arguments after the entry script.
+        seccomp: apply the seccomp program of descriptor 5.
     """
-    executable, binds = _interpreter_binds()
-    prefix, _ = spawn_identity()
-    cmd = [*prefix, "bwrap", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
-           "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
-           "--hostname", "sandbox", "--die-with-parent", "--new-session", "--info-fd", str(info_fd),
+    root = sandbox_root()
+    cmd = [_bwrap_path(), "--as-pid-1", "--unshare-user", "--unshare-pid", "--unshare-net", "--unshare-ipc",
+           "--unshare-uts", "--unshare-cgroup-try", "--disable-userns", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID),
+           "--hostname", "sandbox", "--die-with-parent", "--new-session", "--json-status-fd", "3",
            "--clearenv", "--setenv", "PATH", "/nonexistent", "--setenv", "HOME", WORKDIR,
-           "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8"]
-    for bind in binds:
-        cmd += ["--ro-bind", bind.source, bind.dest]
-    for link, target in (("/lib", "usr/lib"), ("/lib64", "usr/lib64"), ("/lib32", "usr/lib32")):
-        if os.path.islink(link) and os.readlink(link) == target and os.path.isdir(os.path.join("/", target)):
-            cmd += ["--symlink", target, link]  # merged-/usr: keep the loader's /lib64 path working
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--remount-ro", "/dev", "--size", str(disk_bytes), "--tmpfs", WORKDIR]
-    if seccomp_fd is not None:
-        cmd += ["--seccomp", str(seccomp_fd)]
-    cmd += ["--file", str(code_fd), f"{WORKDIR}/main.py", "--ro-bind-data", str(child_fd), CHILD_PATH,
-            "--symlink", WORKDIR, "/tmp", "--chdir", WORKDIR, "--remount-ro", "/",
-            executable, "-I", "-S", "-B", CHILD_PATH, *argv]
+           "--setenv", "TMPDIR", WORKDIR, "--setenv", "LANG", "C.UTF-8",
+           "--ro-bind", root.path, "/", "--proc", "/proc"]
+    for device in DEVICES:  # over the tree's placeholders: /dev stays the read-only tree's directory
+        cmd += ["--dev-bind", device, device]
+    cmd += ["--size", str(disk_bytes), "--tmpfs", WORKDIR]
+    if seccomp:
+        cmd += ["--seccomp", "5"]
+    cmd += ["--file", "4", f"{WORKDIR}/main.py", "--chdir", WORKDIR,
+            root.executable, "-I", "-S", "-B", CHILD_PATH, *argv]
     return cmd
+
+
+def spawn_bwrap(*, stdout_fd: int, status_fd: int, code_fd: int, seccomp_fd: int | None, disk_bytes: int,
+                argv: list[str]) -> Spawned:
+    """Start the sandbox (``bwrap_command``) as the unprivileged host uid, through the launcher.
+
+    Args:
+        stdout_fd: write end of the pipe that gets the program's stdout and stderr.
+        status_fd: write end of the pipe where bwrap reports the program's host PID and the exit code.
+        code_fd: readable descriptor of the program's source.
+        seccomp_fd: readable descriptor of the BPF seccomp program, or None for none.
+        disk_bytes: size of the ``/sandbox`` tmpfs.
+        argv: arguments after the entry script.
+
+    The caller keeps and closes the descriptors it passed.
+    """
+    cmd = bwrap_command(disk_bytes=disk_bytes, argv=argv, seccomp=seccomp_fd is not None)
+    fds = [status_fd, code_fd] + ([] if seccomp_fd is None else [seccomp_fd])
+    return _launcher().spawn(cmd, stdout_fd, fds)
 
 
 _CHECK_LOCK = threading.Lock()  # the first runs may start from many threads at once
 
 
-def check_bwrap() -> None:
-    """Check once that bwrap exists and can build the sandbox here; raise with the fix when not."""
+def check_bwrap(child_argv: tuple[str, ...]) -> None:
+    """Check once that bwrap exists and can build the sandbox here; raise with the fix when not.
+
+    Args:
+        child_argv: arguments of the entry script for a run of ``print('sandbox-ok')``.
+    """
     with _CHECK_LOCK:
-        _check_once()
+        _check_once(child_argv)
 
 
 @functools.lru_cache(maxsize=1)
-def _check_once() -> None:
+def _check_once(child_argv: tuple[str, ...]) -> None:
     if shutil.which("bwrap") is None:
         raise BwrapUnavailableError(f"the sandbox needs bubblewrap (`bwrap`), which is not installed: {INSTALL_HINT}")
-    code_r, child_r, (info_r, info_w) = os.memfd_create("code"), os.memfd_create("child"), os.pipe()
     try:
-        os.write(code_r, b"")
-        os.write(child_r, b"import sys\nprint('sandbox-ok')\n")
-        os.lseek(code_r, 0, 0)
-        os.lseek(child_r, 0, 0)
-        cmd = bwrap_command(code_fd=code_r, child_fd=child_r, info_fd=info_w, disk_bytes=1 << 20, argv=[])
-        proc = subprocess.run(cmd, pass_fds=(code_r, child_r, info_w), capture_output=True, text=True,
-                              timeout=30, check=False, env={}, **spawn_identity()[1])
+        sandbox_root()
+    except OSError as exc:
+        raise BwrapUnavailableError(f"cannot prepare the sandbox's root file system: {exc}") from exc
+    code, (status_r, status_w), (out_r, out_w) = os.memfd_create("code"), os.pipe(), os.pipe()
+    output, status = b"", b""
+    try:
+        os.write(code, b"print('sandbox-ok')\n")
+        os.lseek(code, 0, 0)
+        try:
+            spawned = spawn_bwrap(stdout_fd=out_w, status_fd=status_w, code_fd=code, seccomp_fd=None,
+                                  disk_bytes=1 << 20, argv=list(child_argv))
+        finally:
+            for fd in (code, status_w, out_w):
+                os.close(fd)
+        try:
+            while select.select([out_r], [], [], 30)[0] and (chunk := os.read(out_r, 65536)):
+                output += chunk
+            if not spawned.wait_exit(5.0):
+                spawned.kill()
+            while select.select([status_r], [], [], 0)[0] and (chunk := os.read(status_r, 4096)):
+                status += chunk
+        finally:
+            spawned.close()
+    except OSError as exc:
+        output = str(exc).encode()
     finally:
-        for fd in (code_r, child_r, info_r, info_w):
-            os.close(fd)
-    if proc.stdout.strip() != "sandbox-ok":
+        os.close(status_r)
+        os.close(out_r)
+    if output.decode(errors="replace").strip() != "sandbox-ok":
         raise BwrapUnavailableError(
-            f"bubblewrap cannot build the sandbox on this machine (exit {proc.returncode}): "
-            f"{(proc.stderr or proc.stdout).strip()[-500:]}. It needs unprivileged user namespaces "
+            f"bubblewrap cannot build the sandbox on this machine ({status.decode(errors='replace').strip() or 'no status'}): "
+            f"{output.decode(errors='replace').strip()[-500:]}. It needs unprivileged user namespaces "
             f"(sysctl kernel.unprivileged_userns_clone=1 / user.max_user_namespaces > 0, and no AppArmor "
             f"restriction on them); otherwise {INSTALL_HINT.split(', or ', 1)[1]}")

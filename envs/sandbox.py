@@ -31,10 +31,12 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from agentrl.envs._bwrap import BwrapUnavailableError, bwrap_command, check_bwrap, spawn_identity
+from agentrl.envs._bwrap import BwrapUnavailableError, check_bwrap, spawn_bwrap
+from agentrl.envs._launcher import LauncherDied, Spawned
 from agentrl.envs._seccomp import seccomp_bpf
 
 __all__ = ["BACKENDS", "DEFAULT_BLOCKED_MODULES", "BwrapUnavailableError", "SandboxLimits", "SandboxResult",
@@ -139,10 +141,10 @@ def _user_task_count(uid: int) -> int:
     return count
 
 
-def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str | None]:
-    """Read output until EOF, the deadline or the cap; returns (output, reason it was killed)."""
+def _collect(fd: int, wait_exit: Callable[[float], bool], limits: SandboxLimits) -> tuple[bytes, str | None]:
+    """Read output from ``fd`` until EOF, the deadline or the cap, then wait (until the deadline) for the
+    process to exit (``wait_exit(timeout)``, without reaping it); returns (output, reason it was killed)."""
     deadline = time.monotonic() + limits.wall_time_s
-    fd = proc.stdout.fileno()
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLHUP)
     buf = bytearray()
@@ -159,12 +161,17 @@ def _collect(proc: subprocess.Popen, limits: SandboxLimits) -> tuple[bytes, str 
         buf += chunk[:room]
         if len(chunk) > room:
             return bytes(buf), "output_limit"
-    while True:  # EOF: wait for exit without reaping, so the group id cannot have been reused
-        if os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
-            return bytes(buf), None
-        if time.monotonic() > deadline:
-            return bytes(buf), "timeout"
+    return bytes(buf), None if wait_exit(deadline - time.monotonic()) else "timeout"
+
+
+def _wait_exit_unreaped(pid: int, timeout: float) -> bool:
+    """Wait up to ``timeout`` seconds for the child ``pid`` to exit, leaving it unreaped (its id stays ours)."""
+    deadline = time.monotonic() + timeout
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() >= deadline:
+            return False
         time.sleep(0.002)
+    return True
 
 
 def run_sandboxed(code: str, limits: SandboxLimits | None = None, *, backend: str = "bwrap") -> SandboxResult:
@@ -186,7 +193,7 @@ def run_sandboxed(code: str, limits: SandboxLimits | None = None, *, backend: st
     """
     limits = limits or SandboxLimits()
     if backend == "bwrap":
-        check_bwrap()
+        check_bwrap((encode_config(SandboxLimits(), None, False),))
         return _run_bwrap(code, limits)
     if backend == "audit_hook":
         return _run_audit_hook(code, limits)
@@ -201,11 +208,6 @@ def encode_config(limits: SandboxLimits, nproc: int | None, hook: bool) -> str:
               "max_open_files": limits.max_open_files, "nproc": nproc, "hook": int(hook),
               "blocked_modules": ",".join(limits.blocked_modules)}
     return ";".join(f"{k}={'' if v is None else v}" for k, v in values.items())
-
-
-@functools.lru_cache(maxsize=1)
-def _child_source() -> bytes:
-    return Path(_CHILD).read_bytes()
 
 
 @functools.lru_cache(maxsize=1)
@@ -225,27 +227,38 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def _init_pidfd(proc: subprocess.Popen, info_fd: int, deadline: float) -> int | None:
-    """A pidfd of the sandbox's PID-namespace init, from bwrap's ``--info-fd`` report, or None.
+class _Status:
+    """bwrap's ``--json-status-fd`` reports, read as they come: the program's host PID, then the exit code."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.data = b""
+
+    def find(self, key: str, deadline: float) -> int | None:
+        """The integer value of ``key`` once reported (waiting until ``deadline``), or None."""
+        pattern = re.compile(rb'"' + key.encode() + rb'":\s*(-?\d+)\s*[,}\n]')
+        while (found := pattern.search(self.data)) is None:
+            if not select.select([self.fd], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                return None
+            chunk = os.read(self.fd, 4096)  # bwrap writes its reports in pieces
+            if not chunk:
+                return None
+            self.data += chunk
+        return int(found.group(1))
+
+
+def _init_pidfd(bwrap: Spawned, status: _Status, deadline: float) -> int | None:
+    """A pidfd of the sandbox's PID-namespace init (the program), from bwrap's status report, or None.
 
     A pidfd names one process for good, so killing through it later cannot hit a reused PID; the PID is
-    checked to be bwrap's child while bwrap is alive and unreaped (so it cannot have been reused yet).
+    checked to be bwrap's child while bwrap is alive (so neither PID can have been reused yet).
     """
-    poller = select.poll()
-    poller.register(info_fd, select.POLLIN | select.POLLHUP)
-    data = b""
-    while (found := re.search(rb'"child-pid":\s*(\d+)\s*[,}\n]', data)) is None:
-        if not poller.poll(max(0.0, deadline - time.monotonic()) * 1000):
-            return None
-        chunk = os.read(info_fd, 4096)  # bwrap writes its report in pieces
-        if not chunk:
-            return None
-        data += chunk
-    return _child_pidfd(proc, int(found.group(1)))
+    pid = status.find("child-pid", deadline)
+    return None if pid is None else _child_pidfd(bwrap, pid)
 
 
-def _child_pidfd(proc: subprocess.Popen, pid: int) -> int | None:
-    """A pidfd of ``pid`` if it is a child of the (unreaped) ``proc``, else None."""
+def _child_pidfd(bwrap: Spawned, pid: int) -> int | None:
+    """A pidfd of ``pid`` if it is a child of ``bwrap``, checked while bwrap is alive, else None."""
     try:
         pidfd = os.pidfd_open(pid)
     except OSError:
@@ -255,31 +268,29 @@ def _child_pidfd(proc: subprocess.Popen, pid: int) -> int | None:
         ppid = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("PPid:"))
     except (OSError, StopIteration, ValueError):
         ppid = None
-    if ppid != proc.pid:
+    if ppid != bwrap.pid or bwrap.wait_exit(0):
         os.close(pidfd)
         return None
     return pidfd
 
 
-def _children_pidfds(proc: subprocess.Popen) -> list[int]:
-    """pidfds of the children of bwrap (its init), found through /proc when its report did not come."""
+def _children_pidfds(bwrap: Spawned) -> list[int]:
+    """pidfds of the children of bwrap (the init), found through /proc when its report did not come."""
     pids: set[int] = set()
     try:
-        for task in os.scandir(f"/proc/{proc.pid}/task"):
+        for task in os.scandir(f"/proc/{bwrap.pid}/task"):
             pids.update(int(p) for p in Path(task.path, "children").read_text().split())
     except OSError:
         pass
-    return [fd for fd in (_child_pidfd(proc, pid) for pid in pids) if fd is not None]
+    return [fd for fd in (_child_pidfd(bwrap, pid) for pid in pids) if fd is not None]
 
 
-def _kill_sandbox(proc: subprocess.Popen, init_pidfd: int | None) -> None:
-    """Kill the sandbox's init and wait until it has exited, which the kernel allows only once every
-    other process of its PID namespace is gone; then make sure bwrap itself is gone.
-
-    bwrap exits as soon as it knows the exit status; its init may outlive it by a moment and is then
-    reaped by the host's PID 1 (a zombie runs nothing).
+def _kill_sandbox(bwrap: Spawned, init_pidfd: int | None) -> None:
+    """Kill the sandbox's init (the program) and wait until it has exited, which the kernel allows only
+    once every other process of its PID namespace is gone; then make sure bwrap (which reaps the init
+    and exits with its status) is gone too.
     """
-    extra = [] if init_pidfd is not None or proc.poll() is not None else _children_pidfds(proc)
+    extra = [] if init_pidfd is not None or bwrap.wait_exit(0) else _children_pidfds(bwrap)
     pidfds = ([init_pidfd] if init_pidfd is not None else []) + extra
     for pidfd in pidfds:
         try:
@@ -290,48 +301,50 @@ def _kill_sandbox(proc: subprocess.Popen, init_pidfd: int | None) -> None:
         select.select([pidfd], [], [], 5.0)  # readable once the init has exited
     for pidfd in extra:
         os.close(pidfd)
-    deadline = time.monotonic() + (2.0 if pidfds else 0.0)
-    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
-        if time.monotonic() >= deadline:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)  # --die-with-parent takes the sandbox with bwrap
-            except (ProcessLookupError, PermissionError):
-                pass
-            break
-        time.sleep(0.002)
+    if not bwrap.wait_exit(2.0 if pidfds else 0.0):
+        bwrap.kill()  # --die-with-parent takes the sandbox with bwrap
 
 
 def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
-    config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + bwrap's init, python
+    try:
+        return _run_bwrap_once(code, limits)
+    except LauncherDied:  # that bwrap never ran (the launcher was killed): once more, with a new launcher
+        return _run_bwrap_once(code, limits)
+
+
+def _run_bwrap_once(code: str, limits: SandboxLimits) -> SandboxResult:
+    config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + the program, one spare
     code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
-    child_fd = _memfd("child.py", _child_source())
     bpf = _seccomp_filter()
     seccomp_fd = None if bpf is None else _memfd("seccomp", bpf)
-    info_r, info_w = os.pipe()
-    passed = tuple(fd for fd in (code_fd, child_fd, info_w, seccomp_fd) if fd is not None)
+    (status_r, status_w), (out_r, out_w) = os.pipe(), os.pipe()
     try:
-        cmd = bwrap_command(code_fd=code_fd, child_fd=child_fd, info_fd=info_w, disk_bytes=limits.max_disk_bytes,
-                            argv=[config], seccomp_fd=seccomp_fd)
-        proc = subprocess.Popen(cmd, pass_fds=passed, env={}, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                                **spawn_identity()[1])
-    finally:
-        for fd in passed:
+        bwrap = spawn_bwrap(stdout_fd=out_w, status_fd=status_w, code_fd=code_fd, seccomp_fd=seccomp_fd,
+                            disk_bytes=limits.max_disk_bytes, argv=[config])
+    except BaseException:
+        for fd in (status_r, out_r):
             os.close(fd)
-    init_pidfd = None
-    try:
-        try:
-            init_pidfd = _init_pidfd(proc, info_r, time.monotonic() + limits.wall_time_s)
-            output, killed = _collect(proc, limits)
-        finally:
-            _kill_sandbox(proc, init_pidfd)
-            exit_code = proc.wait()
-            proc.stdout.close()
+        raise
     finally:
-        for fd in (info_r, init_pidfd):
+        for fd in (code_fd, status_w, out_w, seccomp_fd):
             if fd is not None:
                 os.close(fd)
-    if exit_code > 128 and killed is None:  # bwrap reports a child killed by signal N as 128 + N
+    init_pidfd, status = None, _Status(status_r)
+    try:
+        try:
+            init_pidfd = _init_pidfd(bwrap, status, time.monotonic() + limits.wall_time_s)
+            output, killed = _collect(out_r, bwrap.wait_exit, limits)
+        finally:
+            _kill_sandbox(bwrap, init_pidfd)
+        exit_code = status.find("exit-code", time.monotonic())  # written before bwrap exits, or never
+    finally:
+        bwrap.close()
+        for fd in (status_r, out_r, init_pidfd):
+            if fd is not None:
+                os.close(fd)
+    if exit_code is None:  # bwrap itself was killed: the deadline, or its launcher died
+        exit_code, killed = -signal.SIGKILL, killed or "crashed"
+    elif exit_code > 128:  # bwrap reports a child killed by signal N as 128 + N
         exit_code = -(exit_code - 128)
     return _result(output, killed, exit_code, limits)
 
@@ -355,7 +368,7 @@ def _run_audit_hook(code: str, limits: SandboxLimits) -> SandboxResult:
         proc = subprocess.Popen(cmd, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            output, killed = _collect(proc, limits)
+            output, killed = _collect(proc.stdout.fileno(), functools.partial(_wait_exit_unreaped, proc.pid), limits)
         finally:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)  # leftovers too; the leader is not reaped yet

@@ -5,9 +5,12 @@ from __future__ import annotations
 import ast
 import glob
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
 from agentrl.envs import (
@@ -46,7 +49,7 @@ CASES = {  # name: (code, text the tool message must contain, seconds it may tak
                             "writing outside the working directory", 1.0),
     "rename outside": (f"open('a', 'w').close()\nimport os\nos.rename('a', {STDLIB_ESCAPE!r})",
                        "os.rename outside the working directory", 1.0),
-    "reading other processes": ("print(open('/proc/1/environ').read())", "reading outside the working", 1.0),
+    "reading other processes": ("print(open('/proc/2/environ').read())", "reading outside the working", 1.0),
     # Refused by the audit hook, or (a checkout under /tmp, which is the sandbox's own tmpfs there)
     # simply absent: either way the file's text must not come back (checked below).
     "reading the env's hidden tests": (f"print(open({python_sandbox.__file__!r}).read())",
@@ -131,7 +134,7 @@ def test_the_program_sees_only_its_own_small_world():
     interpreter_root = sys.base_prefix.strip("/").split("/")[0]  # e.g. usr, or root for pyenv under /root
     assert lines[0].startswith("65534 65534 /sandbox ") and "sandbox" in top
     assert top <= {"tmp", ".agentrl", "sandbox", "dev", "proc", "lib", "lib64", "lib32", "usr", interpreter_root}
-    assert lines[1] in ("[1, 2]", "[1, 2, 3]")  # bwrap's init, the program (and nothing of the host)
+    assert lines[1] == "[1]"  # the program is its namespace's init, and nothing of the host is there
     assert lines[2] == "False False True" and lines[3] == "[(1, 'lo')]"
 
 
@@ -192,3 +195,33 @@ def test_seccomp_refuses_kernel_interfaces_a_program_does_not_need():
             "for nr in (101, 425, 321, 323):  # ptrace, io_uring_setup, bpf, userfaultfd\n"
             "    print(libc.syscall(nr, 0, 0, 0, 0), ctypes.get_errno())")
     assert run_sandboxed(code, SandboxLimits(audit_hook_layer=False)).output.split("\n")[:4] == ["-1 1"] * 4  # EPERM
+
+
+def test_a_new_launcher_takes_over_when_the_launcher_dies():
+    from agentrl.envs import _bwrap
+
+    assert run_sandboxed("print(1)", LIMITS).describe() == "1"
+    first = _bwrap._launcher().pid
+    os.kill(first, signal.SIGKILL)
+    assert run_sandboxed("print(2)", LIMITS).describe() == "2"
+    assert _bwrap._launcher().pid not in (None, first)
+
+
+def test_a_run_in_flight_ends_when_the_launcher_dies():
+    from agentrl.envs import _bwrap
+
+    assert run_sandboxed("print(1)", LIMITS).describe() == "1"
+    launcher = _bwrap._launcher().pid
+    results = []
+    thread = threading.Thread(target=lambda: results.append(
+        run_sandboxed("import time\nprint('started', flush=True)\ntime.sleep(30)", SandboxLimits(wall_time_s=20))))
+    start = time.monotonic()
+    thread.start()
+    while not Path(f"/proc/{launcher}/task/{launcher}/children").read_text().strip():
+        time.sleep(0.01)  # the launcher has started its bwrap
+    time.sleep(0.3)
+    os.kill(launcher, signal.SIGKILL)
+    thread.join(timeout=15)
+    assert results and results[0].status == "crashed", results
+    assert time.monotonic() - start < 10
+    assert run_sandboxed("print(2)", LIMITS).describe() == "2"

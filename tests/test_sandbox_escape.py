@@ -8,6 +8,10 @@ layer switched off, so what holds is the kernel alone. After each run the judge 
 - the loopback TCP, Unix-path and abstract Unix-socket listeners received nothing;
 - ``ps`` shows no process of the sandbox uid and no child of this test process left behind;
 - this process and a victim process of the sandbox's host uid are alive; ``core_pattern`` is unchanged;
+- the launcher (the process outside every sandbox that starts ``bwrap``, as the sandbox's host uid) is the
+  same process as before the run, alive, without capabilities, and has no child left;
+- the files of the sandbox's prepared root (hard links to the host's interpreter, standard library and
+  libraries, and the entry script) have the same content, mode and times as before;
 - a secret held only by the host side (a world-readable file, an environment variable of this process
   and of the victim, a directory name in ``/tmp``) does not come back in the output;
 - for the grader class, the reward is not above the honest reward of the same (wrong) function.
@@ -17,6 +21,7 @@ No attack reaches beyond loopback or the sockets and files this test creates.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import secrets
 import selectors
@@ -26,10 +31,12 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
-from agentrl.envs import PythonSandboxEnv, SandboxLimits, run_sandboxed
+from agentrl.envs import PythonSandboxEnv, SandboxLimits, _bwrap, run_sandboxed
 from agentrl.envs._bwrap import SANDBOX_UID
+from agentrl.envs._sandbox_root import CHILD_PATH, sandbox_root
 from agentrl.envs.python_sandbox import MARKER
 
 KERNEL_ONLY = SandboxLimits(cpu_time_s=1, wall_time_s=1.5, memory_mb=256, max_output_bytes=8192,
@@ -52,6 +59,8 @@ class Judge:
     keep_dir: str
     victim: subprocess.Popen
     core_pattern: str
+    launcher: int  # PID of the process that starts bwrap (outside the sandbox, as its host uid)
+    tree: dict  # host path of a file in the sandbox's root -> its fingerprint
     received: list = field(default_factory=list)
     canaries: list = field(default_factory=list)
     before: frozenset = frozenset()  # processes of the sandbox uid that were there before this module
@@ -65,7 +74,7 @@ class Judge:
         """Constants an attacker knows (where the prizes are) and ``win()``: what it does once out."""
         return (f"import os, sys\nCANARY = {canary!r}\nPORT = {self.port}\nUNIX = {self.unix_path!r}\n"
                 f"ABSTRACT = {self.abstract!r}\nSECRET_FILE = {self.secret_file!r}\nKEEP_DIR = {self.keep_dir!r}\n"
-                f"HOST_PID = {os.getpid()}\n"
+                f"HOST_PID = {os.getpid()}\nLAUNCHER_PID = {self.launcher}\n"
                 f"VICTIM_PID = {self.victim.pid}\n" + WIN + "# --end of prelude--\n")
 
     def check(self, output: str, canary: str, *, settle_s: float = 0.05) -> None:
@@ -76,7 +85,13 @@ class Judge:
         assert SECRET not in output, "the host's secret came back in the output"
         assert self.victim.poll() is None, "the victim process (host uid of the sandbox) was killed"
         assert _core_pattern() == self.core_pattern
-        left = leftovers(self.victim.pid, self.before)
+        assert _launcher_pid() == self.launcher, "the launcher was replaced (it died or was killed)"
+        assert _fingerprints(self.tree) == self.tree, "a file of the sandbox's root (a host file) changed"
+        status = Path(f"/proc/{self.launcher}/status").read_text()
+        assert "\nCapEff:\t0000000000000000\n" in status, "the launcher holds capabilities"
+        if os.getuid() == 0:
+            assert f"\nUid:\t{SANDBOX_UID}\t{SANDBOX_UID}\t{SANDBOX_UID}\t{SANDBOX_UID}\n" in status
+        left = leftovers(self.victim.pid, self.before | {self.launcher})
         assert not left, f"processes left after the run:\n{left}"
 
 
@@ -112,6 +127,28 @@ def win(how=""):
         except BaseException:
             pass
 '''
+
+
+def _launcher_pid() -> int:
+    return _bwrap._launcher().pid
+
+
+def _tree_files() -> list[str]:
+    """Files of the prepared root that an attacker would most like to change (hard links to host files)."""
+    root = sandbox_root().path
+    inside = [sandbox_root().executable, CHILD_PATH, os.path.join(os.path.dirname(os.__file__), "os.py"),
+              "/usr/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib64/ld-linux-x86-64.so.2"]
+    return [root + p for p in inside if os.path.exists(root + p)]
+
+
+def _fingerprints(paths) -> dict:
+    out = {}
+    for path in paths:
+        st = os.stat(path)
+        with open(path, "rb") as f:
+            out[path] = (st.st_mode, st.st_uid, st.st_nlink, st.st_mtime_ns, st.st_ctime_ns,
+                         hashlib.sha256(f.read()).hexdigest())
+    return out
 
 
 def _core_pattern() -> str:
@@ -197,8 +234,9 @@ def judge_base():
     stop = threading.Event()
     unix_path, abstract = f"/tmp/agentrl-escape-{TOKEN}.sock", f"agentrl-escape-{TOKEN}"
     port, thread = _listen(received, stop, unix_path, abstract)
+    assert run_sandboxed("print(1)", KERNEL_ONLY).output == "1\n"  # the launcher is up
     judge = Judge(port, unix_path, abstract, secret_file, secret_dir, keep_dir, victim,
-                  _core_pattern(), received)
+                  _core_pattern(), _launcher_pid(), _fingerprints(_tree_files()), received)
     judge.before = frozenset(int(line.split()[0]) for line in leftovers(victim.pid).splitlines())
     yield judge
     stop.set()
@@ -570,6 +608,77 @@ for path in ("/dev/tty", "/proc/%d/fd/0" % HOST_PID, "/dev/console", "/dev/pts/0
         print("no", path, e)
 ''')
 
+# the prepared root's files are hard links to the host's: a change there would be a change on the host
+attack("the prepared root: rewrite, rename, unlink, chmod or link interpreter, libc, os.py, entry script", '''
+import shutil
+targets = [sys.executable, "/.agentrl/child.pyc", os.__file__, "/usr/lib/x86_64-linux-gnu/libc.so.6",
+           "/usr/lib64/ld-linux-x86-64.so.2"]
+for path in targets:
+    for name, how in (("append", lambda p: open(p, "ab").write(b"evil")),
+                      ("truncate", lambda p: os.truncate(p, 0)),
+                      ("open O_TRUNC", lambda p: os.close(os.open(p, os.O_WRONLY | os.O_TRUNC))),
+                      ("chmod", lambda p: os.chmod(p, 0o777)),
+                      ("utime", lambda p: os.utime(p, (0, 0))),
+                      ("link", lambda p: os.link(p, "linked")),
+                      ("rename", lambda p: os.rename(p, p + ".moved")),
+                      ("unlink", lambda p: os.unlink(p)),
+                      ("copy over", lambda p: shutil.copyfile("/.agentrl/child.pyc", p))):
+        try:
+            how(path); print("did", name, path)
+        except OSError as e:
+            print("no", name, path, e.errno)
+    try:
+        with open(path, "r+b") as f:
+            f.write(b"\\x00" * 16); print("overwrote", path)
+    except OSError as e:
+        print("no r+b", path, e.errno)
+win("tree")
+''')
+
+# --- the launcher: a process outside every sandbox that starts bwrap on request ---
+attack("launcher: every inherited socket asked to start a host shell, and a bwrap that binds the host root", '''
+import array, socket, stat
+commands = (["/bin/sh", "-c", "touch " + CANARY],
+            ["/usr/bin/bwrap", "--unshare-user", "--bind", "/", "/", "--", "/bin/sh", "-c", "touch " + CANARY])
+for fd in range(3, 1024):
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            continue
+    except OSError:
+        continue
+    for argv in commands:
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+            a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            s.sendmsg(["\\0".join(argv).encode()], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [b.fileno(), 1]))])
+            a.settimeout(0.3)
+            print("sent on", fd, a.recv(64))
+        except OSError as e:
+            print("no", fd, e)
+print("fds", os.listdir("/proc/self/fd"))
+win("launcher-fd")
+''', settle_s=0.3)
+attack("launcher: signals, pidfd, ptrace and /proc/<pid>/mem aimed at its host PID", '''
+import ctypes, signal
+libc = ctypes.CDLL(None, use_errno=True)
+for sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGTERM):
+    try:
+        os.kill(LAUNCHER_PID, sig); print("sent", sig)
+    except OSError as e:
+        print("no", e)
+try:
+    signal.pidfd_send_signal(os.pidfd_open(LAUNCHER_PID), signal.SIGKILL); print("pidfd kill")
+except OSError as e:
+    print("no pidfd", e)
+print("ptrace", libc.ptrace(16, LAUNCHER_PID, 0, 0), ctypes.get_errno())  # PTRACE_ATTACH
+for path in ("/proc/%d/mem" % LAUNCHER_PID, "/proc/%d/environ" % LAUNCHER_PID):
+    try:
+        print(open(path, "rb").read(64))
+    except OSError as e:
+        print("no", path, e)
+win("launcher-signal")
+''')
+
 # --- cleanup: what is left after the run ---
 attack("a setsid double-forked daemon that waits, then tries everything", '''
 import time
@@ -710,10 +819,62 @@ def test_attack_is_contained(judge, name):
     assert os.getpid() and os.kill(os.getpid(), 0) is None  # this process is alive and can be signalled
 
 
+STEAL = '''
+import array, socket, stat, time
+socks = []
+for fd in range(3, 1024):
+    try:
+        if stat.S_ISSOCK(os.fstat(fd).st_mode):
+            socks.append(socket.socket(fileno=os.dup(fd)))
+    except OSError:
+        pass
+print("sockets", len(socks))
+end = time.monotonic() + 1.2
+while time.monotonic() < end:
+    for s in socks:
+        try:
+            msg, anc, _, _ = s.recvmsg(1 << 16, socket.CMSG_SPACE(64), socket.MSG_DONTWAIT)
+        except OSError:
+            continue
+        print("stole a request", msg[:100])
+        for _, _, data in anc:
+            for fd in array.array("i", data[:len(data) - len(data) % 4]):
+                try:
+                    print("read", os.pread(fd, 4096, 0))
+                except OSError:
+                    pass
+                try:
+                    os.write(fd, b"FORGED\\n")
+                except OSError:
+                    pass
+'''
+
+
+def test_a_run_cannot_take_other_runs_requests_from_the_launcher(judge):
+    """Runs that start while an attack runs get their own program and output, and the attack never sees them."""
+    honest = f"X = {SECRET!r}\nprint(len(X))"  # the program text holds the secret; its output does not
+    outputs: list[str] = []
+
+    def others() -> None:
+        end = time.monotonic() + 1.5
+        while time.monotonic() < end:
+            outputs.append(run_sandboxed(honest, KERNEL_ONLY).output)
+
+    thread = threading.Thread(target=others)
+    canary = judge.canary("steal")
+    thread.start()
+    result = run_sandboxed(judge.prelude(canary) + STEAL, KERNEL_ONLY)
+    thread.join()
+    assert "sockets 0" in result.output, result.output
+    assert outputs and all(o == f"{len(SECRET)}\n" for o in outputs), outputs
+    judge.check(result.output, canary)
+
+
 def test_the_suite_covers_every_class():
     assert len(ATTACKS) >= 40
     prefixes = ("hook:", "ctypes", "mknod", "mkfifo", "pidfd", "/proc/<host pid>/mem", "a setsid", "fork bomb",
-                "thread bomb", "memory:", "infinite output", "CPU spin", "disk filling", "deep recursion")
+                "thread bomb", "memory:", "infinite output", "CPU spin", "disk filling", "deep recursion", "launcher:",
+                "the prepared root")
     assert all(any(name.startswith(p) for name in ATTACKS) for p in prefixes)
 
 
