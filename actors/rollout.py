@@ -120,11 +120,9 @@ class RolloutActor:
 
     async def run(self) -> int:
         """Generate groups until :meth:`stop`; returns the number of groups produced."""
-        # Env steps run in worker threads (a tool that blocks on I/O must not stall the loop); anyio's
-        # default of 40 threads would queue the tool calls of more concurrent episodes than that.
-        episodes = self.cfg.rollout.max_concurrent_groups * self.cfg.rollout.group_size
-        limiter = anyio.to_thread.current_default_thread_limiter()
-        limiter.total_tokens = max(limiter.total_tokens, episodes)
+        from agentrl.rollout import widen_env_threads
+
+        widen_env_threads(self.cfg.rollout.max_concurrent_groups * self.cfg.rollout.group_size)
         async with anyio.create_task_group() as tg:
             for _ in range(self.cfg.rollout.max_concurrent_groups):
                 tg.start_soon(self._worker)

@@ -16,7 +16,8 @@ from agentrl.chat import ChatRenderer
 from agentrl.config import RolloutConfig
 from agentrl.trajectory import Trajectory, TrajectoryGroup
 
-__all__ = ["EngineClient", "EpisodeFailed", "cap_tool_outputs", "run_episode", "run_group", "summarize"]
+__all__ = ["EngineClient", "EpisodeFailed", "cap_tool_outputs", "run_episode", "run_group", "summarize",
+           "widen_env_threads"]
 
 
 class EngineClient(Protocol):
@@ -44,6 +45,16 @@ class _Episode:
         self.mask += [1 if sampled else 0] * len(ids)
         self.logprobs += list(logprobs) if sampled else [0.0] * len(ids)
         self.versions += list(versions) if sampled else [-1] * len(ids)
+
+
+def widen_env_threads(episodes: int) -> None:
+    """Let ``episodes`` env calls run in worker threads at once (call inside the event loop).
+
+    Env steps run in threads (a tool that blocks on I/O must not stall the loop); anyio's default
+    of 40 threads per loop would queue the tool calls of more concurrent episodes than that.
+    """
+    limiter = anyio.to_thread.current_default_thread_limiter()
+    limiter.total_tokens = max(limiter.total_tokens, episodes)
 
 
 async def _env_call(fn: Callable, *args: Any, timeout: float, **kwargs: Any) -> Any:

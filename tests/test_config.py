@@ -177,3 +177,20 @@ def test_print_config_shows_the_resolved_options(capsys) -> None:
             main(["train", str(root / "configs" / "quickstart.yaml"), *MEGATRON, *layout, "--print-config"])
         megatron = json.loads(capsys.readouterr().out)["learner"]["megatron"]
         assert megatron["cuda_graphs"] is graphs and megatron["fused_logprobs"] is True
+
+
+def test_engine_eager_auto_follows_the_device() -> None:
+    assert load_config(None, []).engine.enforce_eager is True  # CPU engine: no minutes of compiling
+    assert load_config(None, ["engine.num_gpus=1"]).engine.enforce_eager is False  # GPU: compiled, CUDA graphs
+    assert load_config(None, ["engine.num_gpus=1", "engine.enforce_eager=true"]).engine.enforce_eager is True
+    assert load_config(None, ["engine.enforce_eager=false"]).engine.enforce_eager is False
+
+
+@pytest.mark.parametrize("sleep", ["true", "false"])
+def test_learner_graphs_auto_are_off_beside_colocated_engines(sleep: str) -> None:
+    colocated = ["learner.backend=megatron", "learner.num_gpus=1", "engine.num_gpus=0.5",
+                 "colocate.enabled=true", f"colocate.engine_sleep={sleep}"]
+    assert load_config(None, ["learner.backend=megatron"]).learner.megatron.cuda_graphs is True
+    assert load_config(None, colocated).learner.megatron.cuda_graphs is False
+    forced = load_config(None, [*colocated, "learner.megatron.cuda_graphs=true"])
+    assert forced.learner.megatron.cuda_graphs is True  # an explicit choice is kept
