@@ -6,6 +6,8 @@ returns rank 0's answer, so the driver sees a single learner.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -127,26 +129,34 @@ class LearnerGroup:
     Method calls return ObjectRefs of rank 0's result, like a single actor's ``.remote`` calls.
     """
 
-    def __init__(self, cfg: Config, model_path: str) -> None:
+    def __init__(self, cfg: Config, model_path: str, *, placement: tuple[Any, Any] | None = None) -> None:
+        """``placement``: colocated, ``(plan, placement group)`` of :mod:`agentrl.actors.placement`:
+        rank ``i`` takes its share of bundle ``i``'s GPU, beside the engines dealt to that GPU."""
+        from agentrl.actors.placement import ColocatedPlan, learner_world_size
+
         lc = cfg.learner
-        world = max(1, lc.num_gpus) if lc.backend == "megatron" else 1
-        # Colocated: each rank books a share of a GPU, so Ray puts an engine on the same device.
-        gpus = (cfg.colocate.learner_gpu_fraction if cfg.colocate.enabled else 1) if lc.num_gpus else 0
-        opts = dict(num_cpus=lc.num_cpus, num_gpus=gpus, resources=lc.resources)
-        if world == 1 and lc.backend == "torch":
-            self.actors = [LearnerActor.options(**opts).remote(cfg, model_path)]
+        world = learner_world_size(cfg)
+        gpus = 1 if lc.num_gpus else 0
+        opts: Callable[[int], dict[str, Any]]
+        if placement is not None:
+            plan, pg = placement
+            opts = functools.partial(plan.learner_options, cfg, pg)
+        elif world == 1 and lc.backend == "torch":
+            opts = lambda i: dict(num_cpus=lc.num_cpus, num_gpus=gpus, resources=lc.resources)  # noqa: E731
         else:
             # Rank 0's node hosts the rendezvous; Ray gives each actor one GPU (local rank 0).
             pg = ray.util.placement_group([{"CPU": lc.num_cpus, "GPU": gpus}] * world, strategy="PACK")
             ray.get(pg.ready())
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            opts = lambda i: dict(num_cpus=lc.num_cpus, num_gpus=gpus, resources=lc.resources,  # noqa: E731
+                                  scheduling_strategy=ColocatedPlan.on(pg, i))
 
-            def on(i: int):
-                return PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-
-            addr, port = ray.get(_address.options(scheduling_strategy=on(0)).remote())
+        if world == 1 and lc.backend == "torch":
+            self.actors = [LearnerActor.options(**opts(0)).remote(cfg, model_path)]
+        else:
+            strategy = opts(0).get("scheduling_strategy")
+            addr, port = ray.get(_address.options(scheduling_strategy=strategy).remote())
             self.actors = [
-                LearnerActor.options(**opts, scheduling_strategy=on(i)).remote(
+                LearnerActor.options(**opts(i)).remote(
                     cfg, model_path, rank=i, world_size=world, local_rank=0, master_addr=addr, master_port=port)
                 for i in range(world)
             ]

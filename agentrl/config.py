@@ -485,6 +485,9 @@ class ClusterConfig(Section):
     ship_env_module: bool = True
     """Add the package (or file) of env.id's `module:` part to `runtime_env.py_modules` unless it
     is installed, so that nodes without the user's code import it."""
+    placement_timeout_s: float = Field(300.0, gt=0)
+    """Colocated runs: how long to wait for Ray to place the one-GPU bundles (learner rank i with
+    its engines) before stopping with an error that says what the cluster lacks."""
 
 
 class Config(Section):
@@ -555,9 +558,13 @@ class Config(Section):
                 raise ValueError("colocate.enabled needs GPU engines and a GPU learner: set engine.num_gpus "
                                  f"(e.g. 0.5) and learner.num_gpus >= 1 (given {self.engine.num_gpus} and "
                                  f"{self.learner.num_gpus})")
-            if self.engine.num_gpus + co.learner_gpu_fraction > 1 + 1e-9:
-                raise ValueError(f"colocate: engine.num_gpus ({self.engine.num_gpus}) + colocate.learner_gpu_fraction "
-                                 f"({co.learner_gpu_fraction}) must fit on one GPU (<= 1)")
+            world = max(1, self.learner.num_gpus) if self.learner.backend == "megatron" else 1
+            per_gpu = -(-self.engine.num_engines // world)  # engines are dealt round-robin over the GPUs
+            if per_gpu * self.engine.num_gpus + co.learner_gpu_fraction > 1 + 1e-9:
+                raise ValueError(f"colocate: {per_gpu} engine(s) x engine.num_gpus ({self.engine.num_gpus}) + "
+                                 f"colocate.learner_gpu_fraction ({co.learner_gpu_fraction}) must fit on one GPU "
+                                 f"(<= 1); engine.num_engines ({self.engine.num_engines}) are dealt over the "
+                                 f"learner's {world} GPU(s)")
         if self.refit.transport != "auto":
             from agentrl.refit import resolve_transport
 

@@ -83,6 +83,7 @@ class Trainer:
         self._refit_future: Future[float] | None = None
         self._last_refit_s = 0.0
         self._release_ref: Any = None  # the learner's release of its last refit buffer (GPU transports)
+        self.placement_group: Any = None  # colocated: one bundle per GPU (agentrl.actors.placement)
         self.transport = "object_store"
         self.sleeping_engines = False
         self.gpu_memory: dict[str, Any] = {}
@@ -123,11 +124,18 @@ class Trainer:
         self.transport = resolve_transport(cfg.refit.transport, engine_on_gpu=cfg.engine.num_gpus > 0,
                                            same_gpu=co.enabled and cfg.engine.num_gpus > 0)
         self.sleeping_engines = co.enabled and co.engine_sleep
+        engine_opts = [dict(num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus, resources=cfg.engine.resources)
+                       for _ in range(cfg.engine.num_engines)]
+        if co.enabled:
+            # One bundle per GPU: learner rank i and the engines dealt to GPU i share that device.
+            from agentrl.actors.placement import colocated_plan
+
+            self.placement = colocated_plan(cfg)
+            self.placement_group = self.placement.reserve(timeout_s=cfg.cluster.placement_timeout_s)
+            engine_opts = [self.placement.engine_options(cfg, self.placement_group, i)
+                           for i in range(cfg.engine.num_engines)]
         self.engines = [
-            EngineActor.options(
-                num_cpus=cfg.engine.num_cpus, num_gpus=cfg.engine.num_gpus, resources=cfg.engine.resources,
-                max_restarts=-1, max_task_retries=0,
-            ).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
+            EngineActor.options(**engine_opts[i], max_restarts=-1, max_task_retries=0).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
                      enable_sleep_mode=self.sleeping_engines)
             for i in range(cfg.engine.num_engines)
         ]
@@ -137,7 +145,7 @@ class Trainer:
             ray.get([e.start.remote() for e in self.engines])
             if self.sleeping_engines:
                 ray.get([e.sleep.remote(1) for e in self.engines])
-            self.learner = LearnerGroup(cfg, self.model_path)
+            self.learner = LearnerGroup(cfg, self.model_path, placement=(self.placement, self.placement_group))
             self.gpu_memory["learner_built"] = ray.get(self.learner.free_memory.remote())
             if self.sleeping_engines:
                 ray.get([e.wake_up.remote() for e in self.engines])
@@ -386,3 +394,7 @@ class Trainer:
                 except Exception:
                     pass
             self.actors_started = False
+        if self.placement_group is not None:
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(self.placement_group)
+            self.placement_group = None
