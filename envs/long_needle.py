@@ -7,7 +7,8 @@ One page, drawn uniformly over the ``num_pages`` pages, holds the needle ``The c
 reads each page with a no-argument ``next_page`` call (one assistant turn per page) and answers
 ``The code word is W.``, the needle's own words, so the word is the same token as in the page. Everything else is filler of single-token words that occur in neither list, so
 the answer is a one-token copy of a word seen once, up to ``num_pages`` pages back, while the
-decoy sits a few tokens back. With the pages before the last cut out, a policy can be right at
+decoy sits a few tokens back. Every other page ends with ``(continued on the next page)``, so
+whether to read on or answer is decided by the last line read, at any page length. With the pages before the last cut out, a policy can be right at
 most when the needle is on the last page, plus a guess: ``1/num_pages + (1 - 1/num_pages) /
 len(CODE_WORDS)`` (see :func:`cut_pages` and tools/long_recall_diag.py ``--cut``).
 
@@ -26,7 +27,7 @@ from agentrl.chat import format_tool_call
 from agentrl.envs.base import Message, ToolEnv
 from agentrl.envs.tools import tool
 
-__all__ = ["CODE_WORDS", "NOTE_WORDS", "LongNeedleEnv", "cut_pages", "expert"]
+__all__ = ["CODE_WORDS", "CONTINUED", "NOTE_WORDS", "LongNeedleEnv", "cut_pages", "expert"]
 
 SYSTEM = ("Read every page with the next_page tool. One page gives the code word; the last page asks "
           "for it. Reply: The code word is WORD.")
@@ -41,6 +42,7 @@ FILLER = ("the", "a", "an", "and", "of", "to", "in", "has", "have", "had", "buys
           "helpful", "solve", "problem", "use", "step", "think", "final", "correct", "wrong", "try", "again",
           "guess")
 QUESTION = "Question: what is the code word?"
+CONTINUED = "(continued on the next page)"
 _WORD_RE = re.compile(r"[A-Za-z]+")
 
 
@@ -94,6 +96,8 @@ class LongNeedleEnv(ToolEnv):
                 for _ in range(self.repeats - 1):
                     lines.insert(rng.randrange(len(lines) + 1), decoy_line(self.note))
                 lines += [decoy_line(self.note), QUESTION]
+            else:  # a cue next to the end, whatever the page's length: read on, do not answer yet
+                lines.append(CONTINUED)
             self.pages.append("\n".join([f"Page {i + 1} of {self.num_pages}.", *lines]))
         return [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"The document has {self.num_pages} pages."}]

@@ -15,6 +15,7 @@ from agentrl.chat import format_tool_call
 from agentrl.config import load_config
 from agentrl.envs.long_needle import (
     CODE_WORDS,
+    CONTINUED,
     FILLER,
     NOTE_WORDS,
     QUESTION,
@@ -38,6 +39,7 @@ def test_the_needle_is_on_one_page_and_the_decoy_right_before_the_question(seed,
         repeats if i == env.needle_page else 0 for i in range(num_pages)]
     assert [p.count(decoy_line(env.note)) for p in env.pages] == [0] * (num_pages - 1) + [repeats]
     assert env.pages[-1].endswith(f"\n{decoy_line(env.note)}\n{QUESTION}")
+    assert all(p.endswith(f"\n{CONTINUED}") for p in env.pages[:-1])
     # the answer words occur nowhere else: the filler shares no word with them
     words = re.findall(r"[a-z]+", "\n".join(env.pages))
     assert words.count(env.code) == repeats and words.count(env.note) == repeats
