@@ -134,7 +134,11 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     digits = digit_tokens(renderer.tokenizer).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0, betas=(0.9, 0.98))
     lengths = [len(ids) for ids, _ in demos]
-    batches = make_microbatches(lengths, max(sc.batch_tokens, max(lengths)), algorithm=cfg.packing.algorithm)[0]
+    # A demonstration longer than batch_tokens is a batch of its own (the budget of the others stays).
+    fits = [i for i, n in enumerate(lengths) if n <= sc.batch_tokens]
+    batches = [[fits[j] for j in b] for b in make_microbatches(
+        [lengths[i] for i in fits], sc.batch_tokens, algorithm=cfg.packing.algorithm)[0]] if fits else []
+    batches += [[i] for i, n in enumerate(lengths) if n > sc.batch_tokens]
     total = sc.num_epochs * len(batches)
     # Warm-up, a long plateau (copying numbers is learned late, in a sudden drop), then decay.
     sched = torch.optim.lr_scheduler.LambdaLR(

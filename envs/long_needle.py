@@ -46,6 +46,16 @@ CONTINUED = "(continued on the next page)"
 _WORD_RE = re.compile(r"[A-Za-z]+")
 
 
+def _range(words: int | list[int] | tuple[int, int]) -> tuple[int, int]:
+    return (words, words) if isinstance(words, int) else (int(words[0]), int(words[1]))
+
+
+def _log_uniform(rng: random.Random, low: int, high: int) -> int:
+    """Filler words of one page, log-uniform over ``[low, high]``: with a wide range most pages
+    are short (cheap demonstrations) and some are as long as the longest."""
+    return min(high, int(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))
+
+
 def needle_line(word: str) -> str:
     return f"The code word is {word}."
 
@@ -63,20 +73,27 @@ class LongNeedleEnv(ToolEnv):
         words_per_line: filler words per line.
         repeats: copies of the needle line on its page, and of the decoy line on the last page
             (at random lines; the last decoy copy right before the question).
+        long_prob: probability that an episode's pages draw their length from ``long_page_words``
+            instead (demonstrations: mostly short episodes, a few at full length).
+        long_page_words: page length of those episodes, as ``page_words``.
         max_turns: steps before truncation (default: ``num_pages + 2``).
         **kwargs: ``tool_timeout_s``, ``max_tool_calls_per_turn``, ``max_tool_output_chars``.
     """
 
     def __init__(self, *, num_pages: int = 4, page_words: int | list[int] | tuple[int, int] = 1900,
-                 words_per_line: int = 12, repeats: int = 1, max_turns: int | None = None,
+                 words_per_line: int = 12, repeats: int = 1, long_prob: float = 0.0,
+                 long_page_words: int | list[int] | tuple[int, int] = 1900, max_turns: int | None = None,
                  max_tool_output_chars: int = 64_000, **kwargs: Any) -> None:
-        low, high = (page_words, page_words) if isinstance(page_words, int) else tuple(page_words)
-        if num_pages < 1 or not 1 <= low <= high or words_per_line < 1 or repeats < 1:
-            raise ValueError(f"need num_pages >= 1, 1 <= page_words (low <= high), words_per_line >= 1, repeats >= 1; "
-                             f"got {num_pages}, {page_words!r}, {words_per_line}, {repeats}")
+        low, high = _range(page_words)
+        long_low, long_high = _range(long_page_words)
+        if (num_pages < 1 or not 1 <= low <= high or not 1 <= long_low <= long_high or words_per_line < 1
+                or repeats < 1 or not 0.0 <= long_prob <= 1.0):
+            raise ValueError(f"need num_pages >= 1, 1 <= page_words and long_page_words (low <= high), "
+                             f"words_per_line >= 1, repeats >= 1, 0 <= long_prob <= 1; got {num_pages}, "
+                             f"{page_words!r}, {long_page_words!r}, {words_per_line}, {repeats}, {long_prob}")
         super().__init__(max_turns=max_turns or num_pages + 2, max_tool_output_chars=max_tool_output_chars, **kwargs)
         self.num_pages, self.page_words, self.words_per_line = num_pages, (low, high), words_per_line
-        self.repeats = repeats
+        self.repeats, self.long_prob, self.long_page_words = repeats, long_prob, (long_low, long_high)
         self.pages: list[str] = []
         self.code = self.note = ""
         self.needle_page = 0
@@ -86,8 +103,9 @@ class LongNeedleEnv(ToolEnv):
         self.code, self.note = rng.choice(CODE_WORDS), rng.choice(NOTE_WORDS)
         self.needle_page = rng.randrange(self.num_pages)
         self.pages, self.next_index = [], 0
+        lengths = self.long_page_words if self.long_prob and rng.random() < self.long_prob else self.page_words
         for i in range(self.num_pages):
-            words = [rng.choice(FILLER) for _ in range(self._page_length(rng))]
+            words = [rng.choice(FILLER) for _ in range(_log_uniform(rng, *lengths))]
             lines = [" ".join(words[k:k + self.words_per_line]) for k in range(0, len(words), self.words_per_line)]
             if i == self.needle_page:
                 for _ in range(self.repeats):
@@ -101,12 +119,6 @@ class LongNeedleEnv(ToolEnv):
             self.pages.append("\n".join([f"Page {i + 1} of {self.num_pages}.", *lines]))
         return [{"role": "system", "content": SYSTEM},
                 {"role": "user", "content": f"The document has {self.num_pages} pages."}]
-
-    def _page_length(self, rng: random.Random) -> int:
-        """Filler words of one page, log-uniform over ``page_words``: with a wide range most pages
-        are short (cheap demonstrations) and some are as long as the longest."""
-        low, high = self.page_words
-        return min(high, int(math.exp(rng.uniform(math.log(low), math.log(high + 1)))))
 
     @tool
     def next_page(self) -> str:

@@ -107,9 +107,24 @@ def test_an_answer_before_the_last_page_scores_zero_and_paging_past_the_end_is_a
     assert terminated and reward == 1.0
 
 
+def test_long_prob_makes_a_share_of_the_episodes_full_length():
+    def filler_words(env):
+        return [len(re.findall(r"[a-z]+", p.split("\n", 1)[1])) for p in env.pages]
+
+    env = LongNeedleEnv(num_pages=3, page_words=[1, 20], long_prob=0.25, long_page_words=[500, 520])
+    long = 0
+    for seed in range(800):
+        env.reset(seed=seed)
+        words = filler_words(env)
+        assert all(w < 80 for w in words) or all(w >= 500 for w in words)  # a whole episode is short or long
+        long += words[0] >= 500
+    assert abs(long / 800 - 0.25) < 0.05
+
+
 def test_bad_settings_are_refused():
     for kwargs, key in (({"num_pages": 0}, "num_pages"), ({"page_words": [50, 10]}, "page_words"),
-                        ({"repeats": 0}, "repeats")):
+                        ({"repeats": 0}, "repeats"), ({"long_prob": 1.5}, "long_prob"),
+                        ({"long_page_words": [0, 10]}, "long_page_words")):
         with pytest.raises(ValueError, match=key):
             gymnasium.make("agentrl/LongNeedle-v0", **kwargs)
 
