@@ -2,7 +2,7 @@
 against a decoy read just before the question.
 
 One page, drawn uniformly over the ``num_pages`` pages, holds the needle ``The code word is W.``
-(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word is D.`` (D from
+(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word equals D.`` (D from
 :data:`NOTE_WORDS`) right before the question, which always asks for the code word. The policy
 reads each page with a no-argument ``next_page`` call (one assistant turn per page) and answers
 ``The code word is W.``, the needle's own words, so the word is the same token as in the page. Everything else is filler of single-token words that occur in neither list, so
@@ -33,7 +33,7 @@ SYSTEM = ("Read every page with the next_page tool. One page gives the code word
           "for it. Reply: The code word is WORD.")
 CODE_WORDS = ("apples", "books", "coins", "cards", "marbles", "pens", "boxes", "bags", "letter", "divided",
               "file", "number")
-NOTE_WORDS = ("sum", "difference", "product", "times", "plus", "minus", "equals", "total", "result",
+NOTE_WORDS = ("sum", "difference", "product", "times", "plus", "minus", "answer", "total", "result",
               "value", "position", "directory")
 FILLER = ("the", "a", "an", "and", "of", "to", "in", "has", "have", "had", "buys", "sells", "gives",
           "gets", "more", "fewer", "each", "every", "how", "many", "much", "who", "which", "left", "after",
@@ -41,7 +41,7 @@ FILLER = ("the", "a", "an", "and", "of", "to", "in", "has", "have", "had", "buys
           "open", "read", "list", "error", "invalid", "unknown", "please", "by", "you", "your", "user",
           "helpful", "solve", "problem", "use", "step", "think", "final", "correct", "wrong", "try", "again",
           "guess")
-QUESTION = "Question: what is the code word?"
+QUESTION = "Question: which code word did you read?"
 CONTINUED = "(continued on the next page)"
 _WORD_RE = re.compile(r"[A-Za-z]+")
 
@@ -61,7 +61,9 @@ def needle_line(word: str) -> str:
 
 
 def decoy_line(word: str) -> str:
-    return f"The note word is {word}."
+    # "equals", not "is": the token before the word tells needle from decoy (and " is" occurs only
+    # in the needle), so a one-token induction copy finds the code word
+    return f"The note word equals {word}."
 
 
 class LongNeedleEnv(ToolEnv):
@@ -147,7 +149,7 @@ def expert(seed: int, *, decoy_prob: float = 0.0, env_kwargs: dict[str, Any] | N
     """An imperfect demonstrator's assistant messages for the episode ``reset(seed=seed)`` starts.
 
     It reads every page, then answers ``The code word is W.``. With probability ``decoy_prob`` it
-    answers ``The note word is D.`` instead (the last thing it read): a recency habit, always
+    answers ``The note word equals D.`` instead (the last thing it read): a recency habit, always
     wrong, and a learnable target (a copy from the context like the right answer), chosen by the
     answer's second word, so the habit is one token for RL to change. ``tool_parser`` names the
     model's tool-call format the calls are written in.
