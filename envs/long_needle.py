@@ -2,7 +2,7 @@
 against a decoy read just before the question.
 
 One page, drawn uniformly over the ``num_pages`` pages, holds the needle ``The code word is W.``
-(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word equals D.`` (D from
+(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word is D.`` (D from
 :data:`NOTE_WORDS`) right before the question, which always asks for the code word. The policy
 reads each page with a no-argument ``next_page`` call (one assistant turn per page) and answers
 ``The code word is W.``, the needle's own words, so the word is the same token as in the page. Everything else is filler of single-token words that occur in neither list, so
@@ -35,13 +35,13 @@ CODE_WORDS = ("apples", "books", "coins", "cards", "marbles", "pens", "boxes", "
               "file", "number")
 NOTE_WORDS = ("sum", "difference", "product", "times", "plus", "minus", "answer", "total", "result",
               "value", "position", "directory")
-FILLER = ("the", "a", "an", "and", "of", "to", "in", "has", "have", "had", "buys", "sells", "gives",
+FILLER = ("the", "a", "an", "and", "of", "to", "in", "is", "has", "have", "had", "buys", "sells", "gives",
           "gets", "more", "fewer", "each", "every", "how", "many", "much", "who", "which", "left", "after",
           "before", "then", "tool", "call", "function", "arguments", "expression", "calculate", "search",
           "open", "read", "list", "error", "invalid", "unknown", "please", "by", "you", "your", "user",
           "helpful", "solve", "problem", "use", "step", "think", "final", "correct", "wrong", "try", "again",
           "guess")
-QUESTION = "Question: which code word did you read?"
+QUESTION = "Question: what is the code word?"
 CONTINUED = "(continued on the next page)"
 _WORD_RE = re.compile(r"[A-Za-z]+")
 
@@ -61,9 +61,7 @@ def needle_line(word: str) -> str:
 
 
 def decoy_line(word: str) -> str:
-    # "equals", not "is": the token before the word tells needle from decoy (and " is" occurs only
-    # in the needle), so a one-token induction copy finds the code word
-    return f"The note word equals {word}."
+    return f"The note word is {word}."
 
 
 class LongNeedleEnv(ToolEnv):
@@ -144,14 +142,16 @@ def cut_pages(env: LongNeedleEnv) -> None:
         env.pages[i] = env.pages[i].replace("\n" + needle_line(env.code), "")
 
 
-def expert(seed: int, *, decoy_prob: float = 0.0, env_kwargs: dict[str, Any] | None = None,
+def expert(seed: int, *, give_up_prob: float = 0.0, env_kwargs: dict[str, Any] | None = None,
            rng_seed: int | None = None, tool_parser: str = "hermes") -> list[str]:
     """An imperfect demonstrator's assistant messages for the episode ``reset(seed=seed)`` starts.
 
-    It reads every page, then answers ``The code word is W.``. With probability ``decoy_prob`` it
-    answers ``The note word equals D.`` instead (the last thing it read): a recency habit, always
-    wrong, and a learnable target (a copy from the context like the right answer), chosen by the
-    answer's second word, so the habit is one token for RL to change. ``tool_parser`` names the
+    It reads every page, then answers ``The code word is W.``. With probability ``give_up_prob``
+    it gives up instead: ``The code word is unknown.``, always wrong, one fixed token that a tiny
+    model learns at once, so the SFT policy's greedy answer is the habit while sampling still
+    finds the copy; the habit sits on the answer word, the one token RL has to change. (A habit
+    of answering the decoy's note word is not learned by a tiny model: after "The code word is"
+    the note word is no copy the model can make.) ``tool_parser`` names the
     model's tool-call format the calls are written in.
 
     Example:
@@ -161,7 +161,7 @@ def expert(seed: int, *, decoy_prob: float = 0.0, env_kwargs: dict[str, Any] | N
     env = LongNeedleEnv(**(env_kwargs or {}))
     env.reset(seed=seed)
     rng = random.Random(f"expert:{seed}:{rng_seed}")
-    answer = decoy_line(env.note) if rng.random() < decoy_prob else needle_line(env.code)
+    answer = needle_line("unknown") if rng.random() < give_up_prob else needle_line(env.code)
     return [format_tool_call("next_page", {}, tool_parser)] * env.num_pages + [answer]
 
 

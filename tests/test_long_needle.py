@@ -57,25 +57,25 @@ def test_the_needle_page_is_uniform_over_the_pages():
 
 @settings(max_examples=30, deadline=None)
 @given(seed=st.integers(0, 2**31))
-def test_expert_reads_every_page_and_its_decoy_habit_is_always_wrong(seed):
+def test_expert_reads_every_page_and_its_give_up_habit_is_always_wrong(seed):
     kwargs = {"num_pages": 4, "page_words": 30}
-    for decoy_prob, right in ((0.0, True), (1.0, False)):
+    for give_up_prob, right in ((0.0, True), (1.0, False)):
         env = LongNeedleEnv(**kwargs)
         env.reset(seed=seed)
-        actions = expert(seed, decoy_prob=decoy_prob, env_kwargs=kwargs)
+        actions = expert(seed, give_up_prob=give_up_prob, env_kwargs=kwargs)
         assert actions[:-1] == [CALL] * 4
         for k, action in enumerate(actions[:-1]):
             obs, reward, terminated, truncated, _ = env.step(action)
             assert obs[0]["content"] == env.pages[k] and not terminated and reward == 0.0
-        assert actions[-1] == (needle_line(env.code) if right else decoy_line(env.note))
+        assert actions[-1] == needle_line(env.code if right else "unknown")
         _, reward, terminated, _, info = env.step(actions[-1])
         assert terminated and info["success"] is right and reward == float(right)
 
 
-def test_expert_habit_rate_follows_decoy_prob():
+def test_expert_habit_rate_follows_give_up_prob():
     kwargs = {"num_pages": 4, "page_words": 3}
-    decoys = sum(expert(s, decoy_prob=0.6, env_kwargs=kwargs)[-1].startswith("The note") for s in range(2000))
-    assert abs(decoys / 2000 - 0.6) < 0.04
+    gave_up = sum(expert(s, give_up_prob=0.6, env_kwargs=kwargs)[-1].endswith("unknown.") for s in range(2000))
+    assert abs(gave_up / 2000 - 0.6) < 0.04
 
 
 @settings(max_examples=40, deadline=None)
@@ -132,7 +132,7 @@ def test_bad_settings_are_refused():
 def test_long_context_cpu_config_uses_long_needle_with_the_observation_loss():
     cfg = load_config("configs/long_context_cpu.yaml")
     assert cfg.env.id == "agentrl/LongNeedle-v0" and cfg.env.kwargs["num_pages"] >= 4
-    assert cfg.sft.observation_loss_weight > 0 and cfg.sft.expert_kwargs["decoy_prob"] > 0.5
+    assert cfg.sft.observation_loss_weight > 0 and cfg.sft.expert_kwargs["give_up_prob"] > 0.5
 
 
 def test_a_zero_observation_loss_weight_keeps_existing_sft_caches_valid():
