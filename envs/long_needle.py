@@ -23,9 +23,10 @@ import random
 import re
 from typing import Any
 
-from agentrl.chat import format_tool_call
 from agentrl.envs.base import Message, ToolEnv
 from agentrl.envs.tools import tool
+
+from agentrl.chat import format_tool_call
 
 __all__ = ["CODE_WORDS", "CONTINUED", "NOTE_WORDS", "LongNeedleEnv", "cut_pages", "expert"]
 

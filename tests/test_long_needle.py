@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import re
 
+import agentrl.envs  # noqa: F401
 import gymnasium
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
-
-import agentrl.envs  # noqa: F401
-from agentrl.chat import format_tool_call
-from agentrl.config import load_config
 from agentrl.envs.long_needle import (
     CODE_WORDS,
     CONTINUED,
@@ -25,6 +20,11 @@ from agentrl.envs.long_needle import (
     expert,
     needle_line,
 )
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentrl.chat import format_tool_call
+from agentrl.config import load_config
 
 CALL = format_tool_call("next_page", {})
 
@@ -65,7 +65,7 @@ def test_expert_reads_every_page_and_its_give_up_habit_is_always_wrong(seed):
         actions = expert(seed, give_up_prob=give_up_prob, env_kwargs=kwargs)
         assert actions[:-1] == [CALL] * 4
         for k, action in enumerate(actions[:-1]):
-            obs, reward, terminated, truncated, _ = env.step(action)
+            obs, reward, terminated, _, _ = env.step(action)
             assert obs[0]["content"] == env.pages[k] and not terminated and reward == 0.0
         assert actions[-1] == needle_line(env.code if right else "unknown")
         _, reward, terminated, _, info = env.step(actions[-1])
