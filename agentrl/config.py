@@ -453,6 +453,11 @@ class SFTConfig(Section):
     """Loss weight of assistant tokens that are digits, relative to the other assistant tokens.
     Copying numbers (question -> tool call -> answer) is what a small model learns last; weighting
     digits up (e.g. 5) shortens that plateau several-fold."""
+    observation_loss_weight: float = Field(0.0, ge=0)
+    """Loss weight of the tokens the env wrote (prompt, tool outputs), relative to the assistant's
+    tokens; 0 trains on the assistant's tokens only. Above 0 the model also learns to predict the
+    documents it reads: where they repeat a line (LongNeedle's `repeats`), every repeat is a copy
+    target, which forms the copy circuit far sooner than the one answer per episode does."""
     seed_offset: int = Field(2_000_000, ge=0)
     """Demonstrations use env seeds from here on, apart from RL training and eval seeds."""
     expert_kwargs: dict[str, Any] = Field(default_factory=dict)

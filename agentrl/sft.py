@@ -85,7 +85,9 @@ def build_demonstrations(
 
 
 def _fingerprint(cfg: "Config", model_path: str) -> str:
-    parts = {"sft": cfg.sft.model_dump(), "env": cfg.env.model_dump(), "model": model_path, "seed": cfg.seed}
+    # (a default observation_loss_weight is left out: caches made before the key existed stay valid)
+    sft = cfg.sft.model_dump(exclude={"observation_loss_weight"} if not cfg.sft.observation_loss_weight else None)
+    parts = {"sft": sft, "env": cfg.env.model_dump(), "model": model_path, "seed": cfg.seed}
     if cfg.rollout.tool_parser != "auto":  # (absent when auto: caches made before the key existed stay valid)
         parts["tool_parser"] = cfg.rollout.tool_parser
     blob = json.dumps(parts, sort_keys=True)
@@ -132,7 +134,11 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     digits = digit_tokens(renderer.tokenizer).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0, betas=(0.9, 0.98))
     lengths = [len(ids) for ids, _ in demos]
-    batches = make_microbatches(lengths, max(sc.batch_tokens, max(lengths)), algorithm=cfg.packing.algorithm)[0]
+    # A demonstration longer than batch_tokens is a batch of its own (the budget of the others stays).
+    fits = [i for i, n in enumerate(lengths) if n <= sc.batch_tokens]
+    batches = [[fits[j] for j in b] for b in make_microbatches(
+        [lengths[i] for i in fits], sc.batch_tokens, algorithm=cfg.packing.algorithm)[0]] if fits else []
+    batches += [[i] for i, n in enumerate(lengths) if n > sc.batch_tokens]
     total = sc.num_epochs * len(batches)
     # Warm-up, a long plateau (copying numbers is learned late, in a sudden drop), then decay.
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -142,10 +148,14 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     for epoch in range(sc.num_epochs):
         rng.shuffle(batches)
         for batch in batches:
-            packed = _to_device(pack_sequences([demos[i][0] for i in batch], {"loss_mask": [demos[i][1] for i in batch]}),
-                                device)
+            fields = {"loss_mask": [demos[i][1] for i in batch]}
+            if sc.observation_loss_weight:  # the env's tokens (not the first: it has no prediction)
+                fields["env_mask"] = [[0] + [1 - m for m in demos[i][1][1:]] for i in batch]
+            packed = _to_device(pack_sequences([demos[i][0] for i in batch], fields), device)
             logp = packed_token_logprobs(model, packed, chunk_size=cfg.packing.logprob_chunk_size)
             weight = packed.fields["loss_mask"].reshape(-1).float()
+            if sc.observation_loss_weight:
+                weight = weight + sc.observation_loss_weight * packed.fields["env_mask"].reshape(-1).float()
             if sc.digit_loss_weight != 1.0:
                 weight = weight * torch.where(digits[packed.input_ids.reshape(-1)], sc.digit_loss_weight, 1.0)
             loss = -(logp.reshape(-1) * weight).sum() / weight.sum()

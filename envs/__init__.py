@@ -1,4 +1,4 @@
-"""Environments: ``TextEnv``, ``ToolEnv`` with ``@tool`` methods, a sandbox, and six built-in envs.
+"""Environments: ``TextEnv``, ``ToolEnv`` with ``@tool`` methods, a sandbox, and seven built-in envs.
 
 Importing this package registers the built-ins with Gymnasium::
 
@@ -16,6 +16,7 @@ import gymnasium
 from agentrl.envs.base import MAX_ACTION_CHARS, ChatMessages, Message, TextEnv, ToolEnv, Turn
 from agentrl.envs.calculator import CalculatorEnv
 from agentrl.envs.file_navigator import FileNavigatorEnv
+from agentrl.envs.long_needle import LongNeedleEnv
 from agentrl.envs.long_recall import LongRecallEnv
 from agentrl.envs.python_sandbox import PythonSandboxEnv
 from agentrl.envs.sandbox import BwrapUnavailableError, SandboxLimits, SandboxResult, run_sandboxed
@@ -30,6 +31,7 @@ __all__ = [
     "CalculatorEnv",
     "ChatMessages",
     "FileNavigatorEnv",
+    "LongNeedleEnv",
     "LongRecallEnv",
     "Message",
     "PythonSandboxEnv",
@@ -52,6 +54,7 @@ _BUILTINS = {
     "Wordle": "agentrl.envs.wordle:WordleEnv",
     "FileNavigator": "agentrl.envs.file_navigator:FileNavigatorEnv",
     "LongRecall": "agentrl.envs.long_recall:LongRecallEnv",
+    "LongNeedle": "agentrl.envs.long_needle:LongNeedleEnv",
 }
 BUILTIN_ENV_IDS = tuple(f"agentrl/{name}-v0" for name in _BUILTINS)
 

@@ -193,7 +193,7 @@ def test_long_context_cpu_config_is_long():
     cfg = load_config("configs/long_context_cpu.yaml")
     assert cfg.engine.max_model_len == cfg.rollout.max_total_tokens == cfg.packing.max_tokens_per_microbatch == 16384
     assert cfg.model.tiny.max_position_embeddings >= 16384 and cfg.learner.backend == "torch"
-    assert cfg.env.id == "agentrl/LongRecall-v0" and cfg.env.kwargs["num_pages"] >= 4 and cfg.sft.enabled
+    assert cfg.env.id == "agentrl/LongNeedle-v0" and cfg.env.kwargs["num_pages"] >= 4 and cfg.sft.enabled
 
 
 def test_config_errors_name_the_key():

@@ -1,8 +1,10 @@
-"""Diagnose a LongRecall-v0 policy: held-out greedy success by the page that holds the asked fact,
-trajectory lengths, and the same episodes with the fact lines of all pages but the last removed
-(``--cut``), which shows whether success comes from content read thousands of tokens earlier.
+"""Diagnose a LongRecall-v0 or LongNeedle-v0 policy: held-out greedy success by the page that
+holds the asked fact (the needle), trajectory lengths, and the same episodes with the facts of all
+pages but the last removed (``--cut``), which shows whether success comes from content read
+thousands of tokens earlier.
 
-    python tools/long_recall_diag.py --model .cache/long-context-sft --episodes 48 --cut
+    python tools/long_recall_diag.py --model runs/long_context_cpu/final --episodes 48 --cut
+    python tools/long_recall_diag.py --env agentrl/LongRecall-v0 --model .cache/long-context-sft --cut
 """
 
 from __future__ import annotations
@@ -14,8 +16,17 @@ from collections import defaultdict
 from typing import Any
 
 
-def _cut_env(kwargs: dict[str, Any]):
+def _cut_env(env_id: str, kwargs: dict[str, Any]):
+    from agentrl.envs.long_needle import LongNeedleEnv, cut_pages
     from agentrl.envs.long_recall import LongRecallEnv
+
+    class CutLongNeedle(LongNeedleEnv):
+        """The needle is removed from every page but the last (filler, decoy and question unchanged)."""
+
+        def new_task(self, rng, options):
+            messages = super().new_task(rng, options)
+            cut_pages(self)
+            return messages
 
     class CutLongRecall(LongRecallEnv):
         """Pages before the last lose their fact line (filler and question unchanged)."""
@@ -26,7 +37,12 @@ def _cut_env(kwargs: dict[str, Any]):
                 self.pages[i] = self.pages[i].replace(f"\n{name} = {value}", "")
             return messages
 
-    return CutLongRecall(**kwargs)
+    return (CutLongNeedle if env_id == "agentrl/LongNeedle-v0" else CutLongRecall)(**kwargs)
+
+
+def _asked_page(env) -> int:
+    """1-based page of the asked fact (LongRecall) or of the needle (LongNeedle)."""
+    return (env.needle_page if hasattr(env, "needle_page") else env.asked) + 1
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
@@ -56,10 +72,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
             async def one(k: int) -> None:
                 async with limiter:
-                    env = _cut_env(env_kwargs) if mode == "cut" else gym.make("agentrl/LongRecall-v0", **env_kwargs)
+                    env = (_cut_env(args.env, env_kwargs) if mode == "cut"
+                           else gym.make(args.env, **env_kwargs).unwrapped)
                     traj = await run_episode(env, renderer, client, seed=args.seed_offset + k, cfg=cfg,
                                              episode_id=f"{mode}-{k}", temperature=0.0, max_model_len=16384)
-                    by_page[env.unwrapped.asked + 1].append(float(traj.success))
+                    by_page[_asked_page(env)].append(float(traj.success))
                     lengths.append(len(traj))
 
             async with anyio.create_task_group() as tg:
@@ -79,7 +96,8 @@ def main() -> None:
     p.add_argument("--model", required=True)
     p.add_argument("--episodes", type=int, default=48)
     p.add_argument("--seed-offset", type=int, default=1_000_000)
-    p.add_argument("--env-kwargs", default='{"num_pages": 4, "page_words": [1450, 1650]}')
+    p.add_argument("--env", default="agentrl/LongNeedle-v0", choices=["agentrl/LongNeedle-v0", "agentrl/LongRecall-v0"])
+    p.add_argument("--env-kwargs", default='{"num_pages": 4, "page_words": [1750, 1850]}')
     p.add_argument("--cut", action="store_true", help="also run with the early pages' facts removed")
     args = p.parse_args()
     print(json.dumps(asyncio.run(_run(args)), indent=2))
