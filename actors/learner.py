@@ -7,6 +7,7 @@ returns rank 0's answer, so the driver sees a single learner.
 from __future__ import annotations
 
 import functools
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -15,6 +16,17 @@ import ray
 from agentrl.config import Config
 
 __all__ = ["LearnerActor", "LearnerGroup"]
+
+
+def _busy(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks the learner busy for the call: ``train_step`` reports the idle gap before it."""
+    @functools.wraps(method)
+    def wrapper(self: LearnerActor, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._idle_since = time.perf_counter()
+    return wrapper
 
 
 @ray.remote
@@ -28,18 +40,28 @@ class LearnerActor:
         self.rank = int(kwargs.get("rank", 0))
         self._refit_buf = None
         self._weight_group = None
+        self._idle_since: float | None = None  # end of the last call that used the learner
         self.learner = build_learner(cfg, model_path=model_path, **kwargs)
 
+    @_busy
     def train_step(self, groups) -> dict[str, float]:
-        return self.learner.train_step(groups)
+        t0 = time.perf_counter()
+        out = self.learner.train_step(groups)
+        # idle: since the learner's last call ended (waiting for this batch, or for the driver)
+        out["timing/learner_idle"] = t0 - self._idle_since if self._idle_since is not None else 0.0
+        out["timing/learner_busy"] = time.perf_counter() - t0
+        return out
 
+    @_busy
     def logprobs(self, trajectories) -> list[list[float]]:
         return self.learner.logprobs(trajectories)
 
+    @_busy
     def export_weights(self) -> dict:
         return self.learner.export_weights()
 
     # -- GPU refit (agentrl/refit.py) -------------------------------------------------------------
+    @_busy
     def export_for_refit(self, transport: str):
         """Weights for one refit: a dict of CPU tensors (object_store), or, on rank 0, a
         RefitPayload whose flat GPU buffer this actor keeps until :meth:`release_refit`
@@ -72,6 +94,7 @@ class LearnerActor:
             self._weight_group = WeightGroup(host, port, 0, world_size, backend=backend)
         return self.rank
 
+    @_busy
     def broadcast_weights(self) -> float:
         """Send the buffer of the last :meth:`export_for_refit` to the engines (rank 0)."""
         import time
@@ -81,6 +104,7 @@ class LearnerActor:
             self._weight_group.broadcast(self._refit_buf)
         return time.perf_counter() - t0
 
+    @_busy
     def release_refit(self) -> None:
         """Drop the refit buffer (after every engine has loaded from it)."""
         self._refit_buf = None

@@ -436,6 +436,14 @@ class TrainConfig(Section):
     """Where checkpoints go; defaults to RUN_DIR/checkpoints."""
     checkpoint_interval: int = Field(0, ge=0)
     """Learner steps between checkpoints; 0 = only at the end."""
+    overlap_steps: Literal["auto"] | bool = "auto"
+    """Queue the next learner step before the current one ends: its batch (taken from the replay
+    queue for the version the learner will then hold, so the staleness bound is unchanged) and
+    the refit's weight export are waiting on the learner when the step finishes, and the learner
+    goes from step to step without waiting for the driver's logging and data transfer. The step
+    already queued when the time limit passes also runs. Not with sleeping engines (colocate.
+    engine_sleep), which must be put to sleep before each step. auto: on for a GPU learner
+    beside awake engines, off elsewhere."""
 
 
 class SFTConfig(Section):
@@ -558,6 +566,9 @@ class Config(Section):
                     "(2 * context_parallel_size, times tensor_parallel_size with sequence_parallel)"
                 )
         co = self.colocate
+        if self.train.overlap_steps is True and co.enabled and co.engine_sleep:
+            raise ValueError("train.overlap_steps=true cannot run with colocate.engine_sleep=true: the engines "
+                             "sleep before every learner step, so no step can be queued ahead (use auto or false)")
         if co.enabled:
             if self.learner.num_gpus < 1 or self.engine.num_gpus <= 0:
                 raise ValueError("colocate.enabled needs GPU engines and a GPU learner: set engine.num_gpus "

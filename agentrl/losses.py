@@ -279,9 +279,10 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    if not bool(mask.any()):
+    """Max of ``x`` over ``mask`` (0 when nothing is masked in), without a host sync."""
+    if x.numel() == 0:
         return x.new_zeros(())
-    return x[mask].max()
+    return torch.where(mask.any(), torch.where(mask, x, torch.finfo(x.dtype).min).amax(), x.new_zeros(()))
 
 
 def _check_inputs(tensors: dict[str, torch.Tensor | None], shape: torch.Size) -> None:

@@ -83,6 +83,7 @@ class Trainer:
         self._refit_future: Future[float] | None = None
         self._last_refit_s = 0.0
         self._release_ref: Any = None  # the learner's release of its last refit buffer (GPU transports)
+        self._checked_release: Any = None  # overlapped steps: the release before that one
         self.placement_group: Any = None  # colocated: one bundle per GPU (agentrl.actors.placement)
         self.transport = "object_store"
         self.sleeping_engines = False
@@ -186,11 +187,19 @@ class Trainer:
         self._wait_refit()
         return self._refit_engines(self._export(), self.version)
 
-    def _export(self) -> Any:
+    def _export(self, *, overlapped: bool = False) -> Any:
         """Queue the learner's weight export for a refit (before its next step: actor calls from
         one caller run in order); for nccl the broadcast is queued right behind it, so the
-        engines never wait for a training step to receive."""
-        if self._release_ref is not None:
+        engines never wait for a training step to receive.
+
+        The last refit's buffer release is queued before this export, so two buffers never
+        coexist. Its result is checked here (re-raising its error); ``overlapped`` (the step in
+        flight sits between the two): the release before it is checked instead, done by now."""
+        if overlapped:
+            if self._checked_release is not None:
+                ray.get(self._checked_release)
+            self._checked_release, self._release_ref = self._release_ref, None
+        elif self._release_ref is not None:
             ray.get(self._release_ref)  # done by now (queued before this export); re-raises its error
             self._release_ref = None
         payload = self.learner.export_for_refit.remote(self.transport)
@@ -318,58 +327,102 @@ class Trainer:
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
         return summary
 
+    def overlap_steps(self) -> bool:
+        """Whether the loop queues step N+1 on the learner before step N ends (train.overlap_steps)."""
+        ov = self.cfg.train.overlap_steps
+        if self.sleeping_engines:
+            return False  # the engines sleep before each step (the config refuses an explicit true)
+        return self.cfg.learner.num_gpus > 0 if ov == "auto" else bool(ov)
+
     def _loop(self, logger: MetricsLogger) -> dict[str, Any]:
         from agentrl.progress import TrainProgress
 
         cfg = self.cfg
         last: dict[str, Any] = {}
         t_start = time.perf_counter()
+        overlap = self.overlap_steps()
+        k = cfg.replay.groups_per_step
+
+        def more_after(step: int) -> bool:  # may a step follow the one that ends as step `step`?
+            ci = cfg.train.checkpoint_interval
+            return (step < cfg.train.num_steps and not (ci and step % ci == 0)
+                    and not (cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s))
+
+        # A step in flight: (its batch, its learner call or None, when it was asked for).
+        pending: tuple[Any, Any, float] | None = None
+        prev_end = t_start
         with TrainProgress(cfg.train.num_steps, start=self.step, enabled=self.progress) as bar:
-            while self.step < cfg.train.num_steps:
-                if cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s:
-                    break
-                t0 = time.perf_counter()
-                groups = ray.get(self.replay.take.remote(cfg.replay.groups_per_step, self.version))
+            while True:
+                if pending is None:
+                    if not more_after(self.step):
+                        break
+                    take = self.replay.take.remote(k, self.version)
+                    pending = (take, self.learner.train_step.remote(take) if overlap else None, time.perf_counter())
+                take, step_ref, t0 = pending
+                groups = ray.get(take)
                 t1 = time.perf_counter()
                 refit_due = (self.version + 1) % cfg.refit.interval == 0
-                sleep_s = self._sleep_engines(level=2 if refit_due else 1) if self.sleeping_engines else 0.0
-                t1b = time.perf_counter()
-                metrics = ray.get(self.learner.train_step.remote(groups))
-                t2 = time.perf_counter()
-                self.version += 1
-                self.step += 1
-                if self.sleeping_engines:
-                    # Colocated: nothing generates while the learner steps; wake with new weights.
-                    refit_wait_s = 0.0
-                    # What the learner still holds when the engines wake (its step's cache returned).
-                    mem = ray.get(self.learner.free_memory.remote())
-                    metrics.update({f"memory/learner_{k}": v for k, v in mem.items()})
+                sleep_s = refit_wait_s = 0.0
+                if overlap:
+                    # Queue behind this step, in order: the refit's export of the weights it makes,
+                    # then the next step, on a batch taken for the version the learner will hold.
+                    refit_wait_s, payload = (self._wait_refit(), self._export(overlapped=True)) if refit_due else (0.0, None)
+                    pending = None
+                    if more_after(self.step + 1):
+                        nxt = self.replay.take.remote(k, self.version + 1)
+                        pending = (nxt, self.learner.train_step.remote(nxt), time.perf_counter())
+                    metrics = ray.get(step_ref)
+                    t2 = time.perf_counter()
+                    self.version += 1
+                    self.step += 1
                     if refit_due:
-                        self._last_refit_s = self.refit()
-                    else:
-                        self._last_refit_s = self._wake_engines()
-                    metrics["timing/engine_sleep"] = sleep_s
+                        self._refit_future = self._refit_pool.submit(self._refit_engines, payload, self.version)
+                    step_s, learner_s = t2 - prev_end, metrics.get("timing/learner_busy", t2 - t1)
+                    waiting_s = metrics.get("timing/learner_idle", 0.0)
                 else:
-                    refit_wait_s = self._start_refit() if refit_due else 0.0
+                    pending = None
+                    sleep_s = self._sleep_engines(level=2 if refit_due else 1) if self.sleeping_engines else 0.0
+                    t1b = time.perf_counter()
+                    metrics = ray.get(self.learner.train_step.remote(groups))
+                    t2 = time.perf_counter()
+                    self.version += 1
+                    self.step += 1
+                    if self.sleeping_engines:
+                        # Colocated: nothing generates while the learner steps; wake with new weights.
+                        # What the learner still holds when the engines wake (its step's cache returned).
+                        mem = ray.get(self.learner.free_memory.remote())
+                        metrics.update({f"memory/learner_{k}": v for k, v in mem.items()})
+                        if refit_due:
+                            self._last_refit_s = self.refit()
+                        else:
+                            self._last_refit_s = self._wake_engines()
+                        metrics["timing/engine_sleep"] = sleep_s
+                    else:
+                        refit_wait_s = self._start_refit() if refit_due else 0.0
+                    step_s, learner_s, waiting_s = None, t2 - t1b, t1 - t0
+                prev_end = t2
                 trajs = [t for g in groups for t in g.trajectories]
                 staleness = [self.version - 1 - t.min_version for t in trajs if t.num_sampled_tokens]
                 versions = [v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m]
                 metrics.update(summarize(trajs))
                 metrics.update(ray.get(self.replay.metrics.remote()))
+                step_s = time.perf_counter() - t0 if step_s is None else step_s
                 metrics.update({
                     "replay/staleness_max": float(max(staleness, default=0)),
                     "replay/staleness_mean": sum(staleness) / max(len(staleness), 1),
                     "replay/token_version_min": float(min(versions, default=-1)),
                     "replay/token_version_max": float(max(versions, default=-1)),
-                    "timing/waiting": t1 - t0,
-                    "timing/learner_step": t2 - t1b,
+                    # the learner's wait for this step's batch (overlapped: its idle time before the step)
+                    "timing/waiting": waiting_s,
+                    "timing/learner_step": learner_s,
                     # the refit runs beside the next step: its last duration, and how long the loop
                     # waited for it before starting the following one
                     "timing/refit": self._last_refit_s,
                     "timing/refit_wait": refit_wait_s,
                     "refit/engines_unavailable": float(self.engines_unavailable_at_refit),
-                    "timing/step": time.perf_counter() - t0,
-                    "rollout/tokens_per_s": sum(t.num_sampled_tokens for t in trajs) / max(time.perf_counter() - t0, 1e-9),
+                    # overlapped: from the previous step's end to this one's (steps follow back to back)
+                    "timing/step": step_s,
+                    "rollout/tokens_per_s": sum(t.num_sampled_tokens for t in trajs) / max(step_s, 1e-9),
                     "timing/elapsed": time.perf_counter() - t_start,
                 })
                 logger.log(self.step, metrics)

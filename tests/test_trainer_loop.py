@@ -1,7 +1,9 @@
 """The driver loop with the real replay actor and stand-in engine, learner and rollout actors (no
 vLLM, no model: seconds): the refit runs beside the learner's next step without loosening the
 staleness bound. On-policy (max_staleness 0), no step may start before the engines serve the
-weights of the step before; with max_staleness > 0, steps do overlap the engines' weight load."""
+weights of the step before; with max_staleness > 0, steps do overlap the engines' weight load.
+With train.overlap_steps the next step is queued on the learner before the current one ends: the
+same bounds hold, and the learner no longer waits for the driver between steps."""
 
 from __future__ import annotations
 
@@ -46,16 +48,27 @@ class _Learner:
     def __init__(self) -> None:
         self.version = 0
         self.steps: list[tuple[int, float]] = []  # (version after the step, start)
+        self.gaps: list[float] = []  # idle time before each step since the learner's last call ended
+        self.last_end: float | None = None
 
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        self.steps.append((self.version + 1, time.time()))
+        assert isinstance(groups, list) and all(isinstance(g, TrajectoryGroup) for g in groups)
+        start = time.time()
+        if self.last_end is not None:
+            self.gaps.append(start - self.last_end)
+        self.steps.append((self.version + 1, start))
         time.sleep(STEP_S)
         self.version += 1
+        self.last_end = time.time()
         return {"train/loss": 0.0, "train/num_sequences_trained": 0.0}
 
     def export_for_refit(self, transport: str) -> dict:
         assert transport == "object_store"  # CPU engines
+        self.last_end = time.time()
         return {"version": self.version}
+
+    def get_gaps(self) -> list:
+        return self.gaps
 
     def save(self, path: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
@@ -108,15 +121,16 @@ def ray_local():
         ray.shutdown()
 
 
-def _run(tmp_path: Path, max_staleness: int, steps: int = 6) -> tuple[list, list, list[dict]]:
+def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = False,
+         driver_delay_s: float = 0.0) -> tuple[list, list, list[dict], list[float]]:
     from agentrl.actors.replay import ReplayActor
 
     from agentrl.trainer import Trainer
 
     cfg = load_config(None, [
-        f"run_dir={tmp_path / f'run{max_staleness}'}", f"replay.max_staleness={max_staleness}",
+        f"run_dir={tmp_path / f'run{max_staleness}-{overlap}'}", f"replay.max_staleness={max_staleness}",
         "replay.groups_per_step=2", "replay.capacity=16", f"train.num_steps={steps}",
-        "train.checkpoint_interval=0", "eval.num_episodes=0",
+        "train.checkpoint_interval=0", "eval.num_episodes=0", f"train.overlap_steps={str(overlap).lower()}",
     ])
     trainer = Trainer(cfg, model_path="unused", progress=False)
     trainer.replay = ReplayActor.remote(cfg.replay.capacity, max_staleness, cfg.replay.groups_per_step)
@@ -124,18 +138,34 @@ def _run(tmp_path: Path, max_staleness: int, steps: int = 6) -> tuple[list, list
     trainer.engines = [engine]
     trainer.rollouts = [_Rollout.remote(trainer.replay, engine)]
     trainer.actors_started = True
+    assert trainer.overlap_steps() is overlap
+    if driver_delay_s:  # a slow driver (logging, metrics): the learner should not wait for it
+        import agentrl.trainer as trainer_module
+
+        summarize = trainer_module.summarize
+
+        def slow_summarize(trajs):
+            time.sleep(driver_delay_s)
+            return summarize(trajs)
+
+        trainer_module.summarize = slow_summarize
     try:
         trainer.run()
         loads, learner_steps = ray.get(engine.get_loads.remote()), ray.get(trainer.learner.get_steps.remote())
+        gaps = ray.get(trainer.learner.get_gaps.remote())
     finally:
+        if driver_delay_s:
+            trainer_module.summarize = summarize
         trainer.shutdown()
     rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    return loads, learner_steps, [r for r in rows if "train/loss" in r]
+    return loads, learner_steps, [r for r in rows if "train/loss" in r], gaps
 
 
-def test_on_policy_steps_wait_for_the_refit(tmp_path, ray_local):
-    loads, steps, rows = _run(tmp_path, max_staleness=0)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_on_policy_steps_wait_for_the_refit(tmp_path, ray_local, overlap):
+    loads, steps, rows, _ = _run(tmp_path, max_staleness=0, overlap=overlap)
     assert [v for v, _, _ in loads] == [1, 2, 3, 4, 5, 6]  # every version, in order, the last one too
+    assert [v for v, _ in steps] == [1, 2, 3, 4, 5, 6]  # no step beyond train.num_steps
     done = {v: end for v, _, end in loads}
     for version, start in steps[1:]:
         assert start >= done[version - 1], f"step to version {version} started before the engines served {version - 1}"
@@ -145,12 +175,30 @@ def test_on_policy_steps_wait_for_the_refit(tmp_path, ray_local):
     assert rows[-1]["replay/dropped_stale"] == 0
 
 
-def test_off_policy_steps_overlap_the_refit_within_the_bound(tmp_path, ray_local):
-    loads, steps, rows = _run(tmp_path, max_staleness=2, steps=8)
+@pytest.mark.parametrize("overlap", [False, True])
+def test_off_policy_steps_overlap_the_refit_within_the_bound(tmp_path, ray_local, overlap):
+    loads, steps, rows, _ = _run(tmp_path, max_staleness=2, steps=8, overlap=overlap)
     assert [v for v, _, _ in loads] == list(range(1, 9))
     load_of = {v: (start, end) for v, start, end in loads}
-    # the step after version v starts while the engines are still loading v
-    overlapped = [v for v, start in steps[1:] if load_of[v - 1][0] <= start < load_of[v - 1][1]]
+    # the step after version v starts before the engines have loaded v (queued ahead, it may even
+    # start before the load does)
+    overlapped = [v for v, start in steps[1:] if start < load_of[v - 1][1]]
     assert len(overlapped) >= len(steps) // 2, f"steps did not overlap the refit: {steps} {loads}"
     assert all(r["replay/staleness_max"] <= 2 for r in rows) and rows[-1]["replay/dropped_stale"] == 0
     assert max(r["timing/refit_wait"] for r in rows) < 2 * REFIT_S
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_overlapped_steps_do_not_wait_for_a_slow_driver(tmp_path, ray_local, overlap):
+    """The driver spends 0.3 s per step after each one (a stand-in for logging and metrics). Queued
+    ahead, the learner's next step starts as soon as its batch is there; otherwise it waits for
+    the driver every step (the control)."""
+    delay = 0.3
+    _, steps, rows, gaps = _run(tmp_path, max_staleness=2, steps=8, overlap=overlap, driver_delay_s=delay)
+    assert [v for v, _ in steps] == list(range(1, 9))
+    assert all(r["replay/staleness_max"] <= 2 for r in rows)
+    waited = sorted(gaps)[len(gaps) // 2]  # median idle time of the learner between steps
+    if overlap:
+        assert waited < delay / 2, f"the learner waited for the driver between steps: {gaps}"
+    else:
+        assert waited >= delay * 0.9, f"control: the sequential loop should wait for the driver: {gaps}"

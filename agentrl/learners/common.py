@@ -135,12 +135,16 @@ def microbatch_loss(
 
 
 def merge_metrics(per_microbatch: list[tuple[dict[str, torch.Tensor], float]]) -> dict[str, float]:
-    """Token-weighted mean of micro-batch metrics (``max`` for keys ending in ``_max``)."""
+    """Token-weighted mean of micro-batch metrics (``max`` for keys ending in ``_max``).
+
+    Device tensors come to the host in one copy (one wait for the GPU, not one per number)."""
+    tensors = [v for metrics, _ in per_microbatch for v in metrics.values() if isinstance(v, torch.Tensor)]
+    host = iter(torch.stack([t.detach().float().mean() for t in tensors]).cpu().tolist()) if tensors else iter(())
     total = sum(w for _, w in per_microbatch) or 1.0
     out: dict[str, float] = {}
     for metrics, weight in per_microbatch:
         for key, value in metrics.items():
-            v = float(value.detach().float().mean()) if isinstance(value, torch.Tensor) else float(value)
+            v = next(host) if isinstance(value, torch.Tensor) else float(value)
             if key.endswith("_max"):
                 out[key] = max(out.get(key, float("-inf")), v)
             else:

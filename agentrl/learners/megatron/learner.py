@@ -43,7 +43,7 @@ from agentrl.learners.megatron.parallel import (
     init_parallel_state,
 )
 from agentrl.learners.megatron.weights import gather_hf_weights, load_hf_weights, read_hf_state_dict
-from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, unpack
+from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, padded_length, unpack
 
 if TYPE_CHECKING:
     from agentrl.config import Config
@@ -68,8 +68,20 @@ class _MicroBatch:
     labels: torch.Tensor  # [1, t] next token ids
     params: PackedAttentionParams
     cu_padded: torch.Tensor  # [N+2] int32 on CPU, boundaries incl. the dummy document
+    keep: torch.Tensor  # [T] bool: real tokens that have a predecessor (where logprobs count)
+    weight: float = 0.0  # trained tokens (loss mask sum), counted on the host
     dummy: bool = False
     ref: torch.Tensor | None = None
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a stream sync: pinned memory and an asynchronous copy on CUDA.
+
+    A plain ``.to("cuda")`` of pageable memory waits for the stream to drain, so every micro-batch
+    built while the GPU works (or any such copy inside the loss) would leave the GPU idle."""
+    if device.type != "cuda" or t.is_cuda:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 class MegatronLearner:
@@ -146,6 +158,9 @@ class MegatronLearner:
         return math.lcm(m, lay.tp * lay.cp) if self.model.config.sequence_parallel else m
 
     def _microbatch(self, packed: PackedBatch | None) -> _MicroBatch:
+        """One packed micro-batch on the device. Everything is prepared on the host and sent with
+        asynchronous copies, and nothing here waits for the GPU: micro-batch i+1 is built while
+        the GPU still runs micro-batch i (the schedule pulls them one at a time)."""
         dummy = packed is None
         if dummy:  # an empty slot of the DP plan: one pad-only document that contributes nothing
             packed = pack_samples([TrainSample([self.pad_id], [0], [0.0], [0.0], [-1])], [0])
@@ -155,6 +170,8 @@ class MegatronLearner:
             extra = max(extra, _graph_length(self.cfg.packing.max_tokens_per_microbatch) - T)
         cu = packed.cu_seqlens.to(torch.int32).cpu()
         ids, pos = packed.input_ids[0], packed.position_ids[0]
+        keep = packed.real_mask()[0] & (pos > 0)  # host tensors: no device round trip
+        weight = 0.0 if dummy else float(packed.fields["loss_mask"].sum()) if "loss_mask" in packed.fields else 0.0
         if extra:
             cu = torch.cat([cu, torch.tensor([T + extra], dtype=torch.int32)])
             ids = torch.cat([ids, ids.new_full((extra,), self.pad_id)])
@@ -167,14 +184,19 @@ class MegatronLearner:
             idx = zigzag_indices(cu, lay.cp, lay.cp_rank)
             ids, pos, labels = ids[idx], pos[idx], labels[idx]
         dev = self.device
-        params = make_packed_params(cu.to(dev), int((cu[1:] - cu[:-1]).max()))
+        params = make_packed_params(_to_device(cu, dev), int((cu[1:] - cu[:-1]).max()))
         params.cache["cu_seqlens_cpu"] = cu
         from megatron.core import parallel_state as ps
 
         if lay.cp > 1:
             params.cp_group = ps.get_context_parallel_group()
-        return _MicroBatch(packed.to(dev), ids[None].to(dev), pos[None].to(dev), labels[None].to(dev),
-                           params, cu, dummy)
+        # The loss reads per-token fields on the device; boundaries stay on the host (unpacking
+        # slices by them: a device cu_seqlens would cost a sync per micro-batch).
+        on_device = PackedBatch(input_ids=_to_device(packed.input_ids, dev), position_ids=_to_device(packed.position_ids, dev),
+                                cu_seqlens=packed.cu_seqlens, seq_lens=list(packed.seq_lens), indices=list(packed.indices),
+                                fields={k: _to_device(v, dev) for k, v in packed.fields.items()})
+        return _MicroBatch(on_device, _to_device(ids[None], dev), _to_device(pos[None], dev),
+                           _to_device(labels[None], dev), params, cu, _to_device(keep, dev), weight, dummy)
 
     def _token_logprobs(self, mb: _MicroBatch, out: torch.Tensor) -> torch.Tensor:
         """Model output (next-token logprobs of this shard) -> ``[T]`` logprobs in the convention."""
@@ -186,12 +208,17 @@ class MegatronLearner:
             out = all_gather_zigzag(out, mb.cu_padded, ps.get_context_parallel_group())
         T = mb.packed.input_ids.shape[1]
         shifted = torch.cat([out.new_zeros(1), out[: T - 1]])
-        keep = mb.packed.real_mask()[0] & (mb.packed.position_ids[0] > 0)
-        return torch.where(keep, shifted, torch.zeros_like(shifted))
+        return torch.where(mb.keep, shifted, torch.zeros_like(shifted))
 
     # ------------------------------------------------------------------ schedule plumbing
-    def _run(self, model: Any, mbs: list[_MicroBatch], loss_fn: Any, forward_only: bool) -> list[Any]:
+    def _run(self, model: Any, mbs: Any, loss_fn: Any, forward_only: bool, *,
+             num_microbatches: int | None = None, seq_length: int | None = None) -> list[Any]:
+        """Megatron's schedule over ``mbs``: a list, or (one pipeline stage) an iterator that
+        builds each micro-batch when the schedule asks for it, with its count and longest length."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        if isinstance(mbs, list):
+            num_microbatches, seq_length = len(mbs), max(mb.input_ids.shape[1] for mb in mbs)
 
         def forward_step(data_iterator: Any, m: Any) -> tuple[torch.Tensor, Any]:
             mb = next(data_iterator)
@@ -199,8 +226,8 @@ class MegatronLearner:
             return out, partial(loss_fn, mb)
 
         return get_forward_backward_func()(
-            forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=len(mbs),
-            seq_length=max(mb.input_ids.shape[1] for mb in mbs), micro_batch_size=1, forward_only=forward_only)
+            forward_step_func=forward_step, data_iterator=iter(mbs), model=model, num_microbatches=num_microbatches,
+            seq_length=seq_length, micro_batch_size=1, forward_only=forward_only)
 
     def _collect_logprobs(self, model: Any, mbs: list[_MicroBatch]) -> list[torch.Tensor] | None:
         """Forward-only pass; the ``[T]`` logprobs of every micro-batch on the last stage, else None."""
@@ -229,44 +256,66 @@ class MegatronLearner:
 
     # ------------------------------------------------------------------ the protocol
     def train_step(self, groups: list[TrajectoryGroup]) -> dict[str, float]:
-        """One optimizer step on ``groups`` (collective; every rank gets the same groups)."""
+        """One optimizer step on ``groups`` (collective; every rank gets the same groups).
+
+        Nothing in the step waits for the GPU before the optimizer: micro-batches are built on
+        the host as the schedule reaches them (one pipeline stage, no reference model) and
+        copied asynchronously, and the loss keeps its numbers on the device, so the host runs
+        ahead of the GPU and the next micro-batch's preparation hides behind the current one's
+        kernels."""
+        from torch.profiler import record_function
+
         t0 = time.perf_counter()
         cfg, lay = self.cfg, self.layout
         samples = build_samples(groups, cfg.advantage)
         num_tokens, num_sequences = global_counts(samples)  # the loss's normalizers: whole batch
         samples = with_signal(samples, has_kl=self.ref_model is not None)  # tied groups add nothing
         plan = plan_microbatches(samples, cfg.packing, num_ranks=lay.dp)[lay.dp_rank] if samples else [[]]
-        mbs = [self._microbatch(pack_samples(samples, ix, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id)
-                                if ix else None) for ix in plan]
+
+        def build(ix: list[int]) -> _MicroBatch:
+            with record_function("agentrl.microbatch"):
+                return self._microbatch(pack_samples(samples, ix, pad_multiple=cfg.packing.pad_multiple,
+                                                     pad_id=self.pad_id) if ix else None)
+
+        lazy = self.ref_model is None and lay.pp == 1
+        mbs: Any = (build(ix) for ix in plan) if lazy else [build(ix) for ix in plan]
         t1 = time.perf_counter()
-        if self.ref_model is not None:
+        if not lazy and self.ref_model is not None:
             for mb, lp in zip(mbs, self._collect_logprobs(self.ref_model, mbs) or [None] * len(mbs)):
                 mb.ref = lp
         t2 = time.perf_counter()
-        scale = len(mbs) * lay.dp / lay.cp  # undoes the schedule's 1/M x cp and DDP's 1/(dp*cp)
+        scale = len(plan) * lay.dp / lay.cp  # undoes the schedule's 1/M x cp and DDP's 1/(dp*cp)
 
         def loss_fn(mb: _MicroBatch, out: torch.Tensor) -> tuple[torch.Tensor, dict]:
-            logp = self._token_logprobs(mb, out)
-            # One optimizer step per batch: pi_prox ("recompute") is the pre-step weights, i.e. this
-            # pass's own logprobs, detached; no separate forward-only pass over the batch.
-            prox = logp.detach() if cfg.loss.proximal == "recompute" else None
-            loss, metrics = microbatch_loss(logp, prox, mb.packed, cfg.loss, num_tokens=num_tokens,
-                                            num_sequences=num_sequences, ref_logprobs=mb.ref)
-            if mb.dummy:
-                loss = loss * 0.0
-            weight = 0.0 if mb.dummy else float(mb.packed.fields["loss_mask"].sum())
-            return loss * scale, {"metrics": metrics, "weight": weight, "loss": float(loss.detach())}
+            with record_function("agentrl.loss"):
+                logp = self._token_logprobs(mb, out)
+                # One optimizer step per batch: pi_prox ("recompute") is the pre-step weights, i.e. this
+                # pass's own logprobs, detached; no separate forward-only pass over the batch.
+                prox = logp.detach() if cfg.loss.proximal == "recompute" else None
+                loss, metrics = microbatch_loss(logp, prox, mb.packed, cfg.loss, num_tokens=num_tokens,
+                                                num_sequences=num_sequences, ref_logprobs=mb.ref)
+                if mb.dummy:
+                    loss = loss * 0.0
+                # Numbers stay on the device (a float() here would wait for this micro-batch's forward).
+                return loss * scale, {"metrics": metrics, "weight": 0.0 if mb.dummy else mb.weight,
+                                      "loss": loss.detach()}
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        store = self._run(self.ddp, mbs, loss_fn, forward_only=False)
-        _, grad_norm, _ = self.optimizer.step() if samples else (True, 0.0, None)
+        # Longest micro-batch, from the plan (the schedule's p2p shapes; unused with one stage).
+        pm = cfg.packing.pad_multiple
+        longest = max((sum(padded_length(len(samples[i]), pm) for i in ix) for ix in plan), default=1) + self._pad_to
+        with record_function("agentrl.forward_backward"):
+            store = self._run(self.ddp, mbs, loss_fn, forward_only=False, num_microbatches=len(plan), seq_length=longest)
+        with record_function("agentrl.optimizer"):
+            _, grad_norm, _ = self.optimizer.step() if samples else (True, 0.0, None)
         self.version += 1
         t3 = time.perf_counter()
-        out = self._reduce_metrics(store)
+        with record_function("agentrl.metrics"):
+            out = self._reduce_metrics(store)
         out.update({
             "train/grad_norm": float(grad_norm or 0.0), "train/num_sequences": num_sequences,
-            "train/num_sequences_trained": float(len(samples)), "train/num_tokens": float(sum(len(s) for s in samples)), "train/num_microbatches": float(len(mbs) * lay.dp),
+            "train/num_sequences_trained": float(len(samples)), "train/num_tokens": float(sum(len(s) for s in samples)), "train/num_microbatches": float(len(plan) * lay.dp),
             "train/version": float(self.version), "timing/logprobs": t2 - t1, "timing/training": (t3 - t2) + (t1 - t0),
         })
         return out
@@ -278,7 +327,7 @@ class MegatronLearner:
         if self._is_last_stage():
             local = merge_metrics([(s["metrics"], s["weight"]) for s in store])
             weight = sum(s["weight"] for s in store)
-            loss = sum(s["loss"] for s in store)
+            loss = float(torch.stack([s["loss"].float() for s in store]).sum()) if store else 0.0
             gathered: list[Any] = [None] * self.layout.dp
             dist.all_gather_object(gathered, (local, weight, loss), group=ps.get_data_parallel_group())
             total = sum(w for _, w, _ in gathered) or 1.0
