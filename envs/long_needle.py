@@ -2,7 +2,7 @@
 against a decoy read just before the question.
 
 One page, drawn uniformly over the ``num_pages`` pages, holds the needle ``The code word is W.``
-(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word equals D.`` (D from
+(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word is D.`` (D from
 :data:`NOTE_WORDS`) right before the question, which always asks for the code word. The policy
 reads each page with a no-argument ``next_page`` call (one assistant turn per page) and answers
 ``The code word is W.``, the needle's own words, so the word is the same token as in the page. Everything else is filler of single-token words that occur in neither list, so
@@ -62,10 +62,7 @@ def needle_line(word: str) -> str:
 
 
 def decoy_line(word: str) -> str:
-    """The decoy: ``word is`` occurs in needle lines only, so the answer's copy can key on the one
-    token before it. (With ``The note word is D.`` the two lines differ only two tokens before
-    the word; a tiny model's copy then never told them apart in one seed of two.)"""
-    return f"The note word equals {word}."
+    return f"The note word is {word}."
 
 
 class LongNeedleEnv(ToolEnv):

@@ -147,16 +147,3 @@ def test_a_zero_observation_loss_weight_keeps_existing_sft_caches_valid():
     assert _fingerprint(cfg, "m") == hashlib.sha256(blob.encode()).hexdigest()[:16]  # as before the key existed
     cfg.sft.observation_loss_weight = 0.2
     assert _fingerprint(cfg, "m") != hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31), repeats=st.integers(1, 8))
-def test_word_is_comes_before_code_words_only(seed, repeats):
-    """The answer is a copy keyed on one token: in every page, 'word is' is followed by the code
-    word and nothing else (the decoy says 'equals'; 'word' is no filler word)."""
-    env = LongNeedleEnv(num_pages=4, page_words=[1, 300], repeats=repeats)
-    env.reset(seed=seed)
-    text = "\n".join(env.pages)
-    followers = re.findall(r"\bword is (\w+)", text)
-    assert followers == [env.code] * repeats
-    assert len(re.findall(r"\bword equals (\w+)", text)) == repeats
