@@ -436,7 +436,7 @@ class TrainConfig(Section):
     """Where checkpoints go; defaults to RUN_DIR/checkpoints."""
     checkpoint_interval: int = Field(0, ge=0)
     """Learner steps between checkpoints; 0 = only at the end."""
-    overlap_steps: Literal["auto"] | bool = "auto"
+    overlap_steps: Literal["auto", True, False] = "auto"
     """Queue the next learner step before the current one ends: its batch (taken from the replay
     queue for the version the learner will then hold, so the staleness bound is unchanged) and
     the refit's weight export are waiting on the learner when the step finishes, and the learner

@@ -194,3 +194,11 @@ def test_learner_graphs_auto_are_off_beside_colocated_engines(sleep: str) -> Non
     assert load_config(None, colocated).learner.megatron.cuda_graphs is False
     forced = load_config(None, [*colocated, "learner.megatron.cuda_graphs=true"])
     assert forced.learner.megatron.cuda_graphs is True  # an explicit choice is kept
+
+
+def test_overlap_steps_refused_with_sleeping_engines():
+    gpu = ["colocate.enabled=true", "engine.num_gpus=0.5", "learner.num_gpus=1"]
+    with pytest.raises(ConfigError, match="overlap_steps=true cannot run with colocate.engine_sleep"):
+        load_config(None, ["train.overlap_steps=true", *gpu])
+    assert load_config(None, ["train.overlap_steps=true", "colocate.engine_sleep=false", *gpu]).train.overlap_steps is True
+    assert load_config(None, gpu).train.overlap_steps == "auto"  # auto resolves to off beside sleeping engines
