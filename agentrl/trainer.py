@@ -343,10 +343,13 @@ class Trainer:
         overlap = self.overlap_steps()
         k = cfg.replay.groups_per_step
 
-        def more_after(step: int) -> bool:  # may a step follow the one that ends as step `step`?
+        def may_start(done: int) -> bool:  # may another step start once `done` steps are done?
+            return done < cfg.train.num_steps and not (
+                cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s)
+
+        def checkpoint_after(done: int) -> bool:  # the learner's state after step `done` is saved
             ci = cfg.train.checkpoint_interval
-            return (step < cfg.train.num_steps and not (ci and step % ci == 0)
-                    and not (cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s))
+            return bool(ci) and done % ci == 0
 
         # A step in flight: (its batch, its learner call or None, when it was asked for).
         pending: tuple[Any, Any, float] | None = None
@@ -354,7 +357,7 @@ class Trainer:
         with TrainProgress(cfg.train.num_steps, start=self.step, enabled=self.progress) as bar:
             while True:
                 if pending is None:
-                    if not more_after(self.step):
+                    if not may_start(self.step):
                         break
                     take = self.replay.take.remote(k, self.version)
                     pending = (take, self.learner.train_step.remote(take) if overlap else None, time.perf_counter())
@@ -368,7 +371,8 @@ class Trainer:
                     # then the next step, on a batch taken for the version the learner will hold.
                     refit_wait_s, payload = (self._wait_refit(), self._export(overlapped=True)) if refit_due else (0.0, None)
                     pending = None
-                    if more_after(self.step + 1):
+                    # Not past a checkpoint: the save must see the learner right after this step.
+                    if may_start(self.step + 1) and not checkpoint_after(self.step + 1):
                         nxt = self.replay.take.remote(k, self.version + 1)
                         pending = (nxt, self.learner.train_step.remote(nxt), time.perf_counter())
                     metrics = ray.get(step_ref)

@@ -72,6 +72,7 @@ class _Learner:
 
     def save(self, path: str) -> None:
         Path(path).mkdir(parents=True, exist_ok=True)
+        (Path(path) / "version.json").write_text(json.dumps(self.version))  # what the learner held
 
     def get_steps(self) -> list:
         return self.steps
@@ -122,7 +123,7 @@ def ray_local():
 
 
 def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = False,
-         driver_delay_s: float = 0.0) -> tuple[list, list, list[dict], list[float]]:
+         driver_delay_s: float = 0.0, checkpoint_interval: int = 0) -> tuple[list, list, list[dict], list[float]]:
     from agentrl.actors.replay import ReplayActor
 
     from agentrl.trainer import Trainer
@@ -130,7 +131,8 @@ def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = Fal
     cfg = load_config(None, [
         f"run_dir={tmp_path / f'run{max_staleness}-{overlap}'}", f"replay.max_staleness={max_staleness}",
         "replay.groups_per_step=2", "replay.capacity=16", f"train.num_steps={steps}",
-        "train.checkpoint_interval=0", "eval.num_episodes=0", f"train.overlap_steps={str(overlap).lower()}",
+        f"train.checkpoint_interval={checkpoint_interval}", "eval.num_episodes=0",
+        f"train.overlap_steps={str(overlap).lower()}",
     ])
     trainer = Trainer(cfg, model_path="unused", progress=False)
     trainer.replay = ReplayActor.remote(cfg.replay.capacity, max_staleness, cfg.replay.groups_per_step)
@@ -202,3 +204,18 @@ def test_overlapped_steps_do_not_wait_for_a_slow_driver(tmp_path, ray_local, ove
         assert waited < delay / 2, f"the learner waited for the driver between steps: {gaps}"
     else:
         assert waited >= delay * 0.9, f"control: the sequential loop should wait for the driver: {gaps}"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_checkpoints_see_the_learner_right_after_their_step(tmp_path, ray_local, overlap):
+    """Every step runs with checkpoints on, and none is queued past a checkpoint: the learner holds
+    exactly the checkpoint's version when it saves."""
+    _, steps, rows, _ = _run(tmp_path, max_staleness=2, steps=6, overlap=overlap, checkpoint_interval=2)
+    assert [v for v, _ in steps] == list(range(1, 7)) and [r["step"] for r in rows] == list(range(1, 7))
+    ckpts = tmp_path / f"run2-{overlap}" / "checkpoints"
+    saved = sorted(p.name for p in ckpts.iterdir() if p.is_dir())
+    assert saved == ["step_000002", "step_000004", "step_000006"]
+    for name in saved:
+        meta = json.loads((ckpts / name / "trainer.json").read_text())
+        assert meta["version"] == meta["step"] == int(name[-6:])
+        assert json.loads((ckpts / name / "learner" / "version.json").read_text()) == meta["version"]
