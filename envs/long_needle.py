@@ -2,15 +2,18 @@
 against a decoy read just before the question.
 
 One page, drawn uniformly over the ``num_pages`` pages, holds the needle ``The code word is W.``
-(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word is D.`` (D from
+(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word equals D.`` (D from
 :data:`NOTE_WORDS`) right before the question, which always asks for the code word. The policy
 reads each page with a no-argument ``next_page`` call (one assistant turn per page) and answers
-``The code word is W.``, the needle's own words, so the word is the same token as in the page. Everything else is filler of single-token words that occur in neither list, so
-the answer is a one-token copy of a word seen once, up to ``num_pages`` pages back, while the
-decoy sits a few tokens back. Every other page ends with ``(continued on the next page)``, so
-whether to read on or answer is decided by the last line read, at any page length. With the pages before the last cut out, a policy can be right at
-most when the needle is on the last page, plus a guess: ``1/num_pages + (1 - 1/num_pages) /
-len(CODE_WORDS)`` (see :func:`cut_pages` and tools/long_recall_diag.py ``--cut``).
+``The code word is W.``, the needle's own words, so the word is the same token as in the page.
+Everything else is filler of single-token words that occur in neither list, and ``is`` is no
+filler word: in the document ``is`` comes before the code word only (and in the question), so
+the answer is a one-token-keyed copy of a word up to ``num_pages`` pages back, while the decoy,
+the nearest word of its kind, sits a few tokens back. Every other page ends with ``(continued on
+the next page)``, so whether to read on or answer is decided by the last line read, at any page
+length. With the pages before the last cut out, a policy can be right at most when the needle is
+on the last page, plus a guess: ``1/num_pages + (1 - 1/num_pages) / len(CODE_WORDS)`` (see
+:func:`cut_pages` and tools/long_recall_diag.py ``--cut``).
 
 Knows nothing of models, tokenizers or the rollout loop; it only assumes (for cheap long pages)
 that the filler words are single tokens of the tiny tokenizer, which only changes cost.
@@ -30,13 +33,15 @@ from agentrl.chat import format_tool_call
 
 __all__ = ["CODE_WORDS", "CONTINUED", "NOTE_WORDS", "LongNeedleEnv", "cut_pages", "expert"]
 
+# (The reply's form is left to the demonstrations: a system prompt holding "The code word is WORD."
+# would be one more place for a copy of "code word is" to look at.)
 SYSTEM = ("Read every page with the next_page tool. One page gives the code word; the last page asks "
-          "for it. Reply: The code word is WORD.")
+          "for it. Reply with the code word.")
 CODE_WORDS = ("apples", "books", "coins", "cards", "marbles", "pens", "boxes", "bags", "letter", "divided",
               "file", "number")
 NOTE_WORDS = ("sum", "difference", "product", "times", "plus", "minus", "answer", "total", "result",
               "value", "position", "directory")
-FILLER = ("the", "a", "an", "and", "of", "to", "in", "is", "has", "have", "had", "buys", "sells", "gives",
+FILLER = ("the", "a", "an", "and", "of", "to", "in", "has", "have", "had", "buys", "sells", "gives",
           "gets", "more", "fewer", "each", "every", "how", "many", "much", "who", "which", "left", "after",
           "before", "then", "tool", "call", "function", "arguments", "expression", "calculate", "search",
           "open", "read", "list", "error", "invalid", "unknown", "please", "by", "you", "your", "user",
@@ -62,7 +67,7 @@ def needle_line(word: str) -> str:
 
 
 def decoy_line(word: str) -> str:
-    return f"The note word is {word}."
+    return f"The note word equals {word}."
 
 
 class LongNeedleEnv(ToolEnv):
@@ -143,17 +148,20 @@ def cut_pages(env: LongNeedleEnv) -> None:
         env.pages[i] = env.pages[i].replace("\n" + needle_line(env.code), "")
 
 
-def expert(seed: int, *, give_up_prob: float = 0.0, env_kwargs: dict[str, Any] | None = None,
+def expert(seed: int, *, give_up_prob: float = 0.0, near_pages: int = 0, env_kwargs: dict[str, Any] | None = None,
            rng_seed: int | None = None, tool_parser: str = "hermes") -> list[str]:
     """An imperfect demonstrator's assistant messages for the episode ``reset(seed=seed)`` starts.
 
     It reads every page, then answers ``The code word is W.``. With probability ``give_up_prob``
     it gives up instead: ``The code word is unknown.``, always wrong, one fixed token that a tiny
-    model learns at once, so the SFT policy's greedy answer is the habit while sampling still
-    finds the copy; the habit sits on the answer word, the one token RL has to change. (A habit
-    of answering the decoy's note word is not learned by a tiny model: after "The code word is"
-    the note word is no copy the model can make.) ``tool_parser`` names the
-    model's tool-call format the calls are written in.
+    model learns at once; the habit sits on the answer word, the one token RL has to change.
+    With ``near_pages`` > 0 it gives up only when the needle is further back than the last
+    ``near_pages`` pages: a demonstrator that recalls what it read last but not what it read
+    thousands of tokens earlier, so the SFT policy learns the copy at the answer from the near
+    needles (every one of them answered) and RL has to carry it to the far ones. (A habit of
+    answering the decoy's note word is not learned by a tiny model: after "The code word is"
+    the note word is no copy the model can make.) ``tool_parser`` names the model's tool-call
+    format the calls are written in.
 
     Example:
         >>> expert(0, env_kwargs={"page_words": 20})[-1]
@@ -162,7 +170,8 @@ def expert(seed: int, *, give_up_prob: float = 0.0, env_kwargs: dict[str, Any] |
     env = LongNeedleEnv(**(env_kwargs or {}))
     env.reset(seed=seed)
     rng = random.Random(f"expert:{seed}:{rng_seed}")
-    answer = needle_line("unknown") if rng.random() < give_up_prob else needle_line(env.code)
+    far = env.needle_page < env.num_pages - near_pages
+    answer = needle_line("unknown") if far and rng.random() < give_up_prob else needle_line(env.code)
     return [format_tool_call("next_page", {}, tool_parser)] * env.num_pages + [answer]
 
 

@@ -78,6 +78,23 @@ def test_expert_habit_rate_follows_give_up_prob():
     assert abs(gave_up / 2000 - 0.6) < 0.04
 
 
+@pytest.mark.parametrize("near_pages", [1, 2])
+def test_expert_with_near_pages_gives_up_only_on_needles_further_back(near_pages):
+    kwargs = {"num_pages": 4, "page_words": 3}
+    far = gave_up_far = 0
+    for s in range(2000):
+        env = LongNeedleEnv(**kwargs)
+        env.reset(seed=s)
+        answer = expert(s, give_up_prob=0.7, near_pages=near_pages, env_kwargs=kwargs)[-1]
+        if env.needle_page >= 4 - near_pages:
+            assert answer == needle_line(env.code), (s, env.needle_page)
+        else:
+            far += 1
+            gave_up_far += answer == needle_line("unknown")
+    assert abs(far / 2000 - (4 - near_pages) / 4) < 0.04
+    assert abs(gave_up_far / far - 0.7) < 0.05
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**31))
 def test_with_the_early_pages_cut_only_a_needle_on_the_last_page_is_left(seed):
@@ -147,3 +164,15 @@ def test_a_zero_observation_loss_weight_keeps_existing_sft_caches_valid():
     assert _fingerprint(cfg, "m") == hashlib.sha256(blob.encode()).hexdigest()[:16]  # as before the key existed
     cfg.sft.observation_loss_weight = 0.2
     assert _fingerprint(cfg, "m") != hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31), repeats=st.integers(1, 8))
+def test_in_the_pages_is_comes_before_the_code_word_only(seed, repeats):
+    """The copy is keyed on one token: in the pages, 'is' is followed by the code word, and by
+    'the' in the question, and by nothing else ('is' is no filler word; the decoy says 'equals')."""
+    env = LongNeedleEnv(num_pages=4, page_words=[1, 300], repeats=repeats)
+    env.reset(seed=seed)
+    text = "\n".join(env.pages)
+    assert re.findall(r"\bis (\w+)", text) == [env.code] * repeats + ["the"]
+    assert re.findall(r"\bword equals (\w+)", text) == [env.note] * repeats
