@@ -2,18 +2,15 @@
 against a decoy read just before the question.
 
 One page, drawn uniformly over the ``num_pages`` pages, holds the needle ``The code word is W.``
-(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word equals D.`` (D from
+(W from :data:`CODE_WORDS`); the last page ends with a decoy ``The note word is D.`` (D from
 :data:`NOTE_WORDS`) right before the question, which always asks for the code word. The policy
 reads each page with a no-argument ``next_page`` call (one assistant turn per page) and answers
-``The code word is W.``, the needle's own words, so the word is the same token as in the page.
-Everything else is filler of single-token words that occur in neither list, and ``is`` is no
-filler word: in the document ``is`` comes before the code word only (and in the question), so
-the answer is a one-token-keyed copy of a word up to ``num_pages`` pages back, while the decoy,
-the nearest word of its kind, sits a few tokens back. Every other page ends with ``(continued on
-the next page)``, so whether to read on or answer is decided by the last line read, at any page
-length. With the pages before the last cut out, a policy can be right at most when the needle is
-on the last page, plus a guess: ``1/num_pages + (1 - 1/num_pages) / len(CODE_WORDS)`` (see
-:func:`cut_pages` and tools/long_recall_diag.py ``--cut``).
+``The code word is W.``, the needle's own words, so the word is the same token as in the page. Everything else is filler of single-token words that occur in neither list, so
+the answer is a one-token copy of a word seen once, up to ``num_pages`` pages back, while the
+decoy sits a few tokens back. Every other page ends with ``(continued on the next page)``, so
+whether to read on or answer is decided by the last line read, at any page length. With the pages before the last cut out, a policy can be right at
+most when the needle is on the last page, plus a guess: ``1/num_pages + (1 - 1/num_pages) /
+len(CODE_WORDS)`` (see :func:`cut_pages` and tools/long_recall_diag.py ``--cut``).
 
 Knows nothing of models, tokenizers or the rollout loop; it only assumes (for cheap long pages)
 that the filler words are single tokens of the tiny tokenizer, which only changes cost.
@@ -33,15 +30,13 @@ from agentrl.chat import format_tool_call
 
 __all__ = ["CODE_WORDS", "CONTINUED", "NOTE_WORDS", "LongNeedleEnv", "cut_pages", "expert"]
 
-# (The reply's form is left to the demonstrations: a system prompt holding "The code word is WORD."
-# would be one more place for a copy of "code word is" to look at.)
 SYSTEM = ("Read every page with the next_page tool. One page gives the code word; the last page asks "
-          "for it. Reply with the code word.")
+          "for it. Reply: The code word is WORD.")
 CODE_WORDS = ("apples", "books", "coins", "cards", "marbles", "pens", "boxes", "bags", "letter", "divided",
               "file", "number")
 NOTE_WORDS = ("sum", "difference", "product", "times", "plus", "minus", "answer", "total", "result",
               "value", "position", "directory")
-FILLER = ("the", "a", "an", "and", "of", "to", "in", "has", "have", "had", "buys", "sells", "gives",
+FILLER = ("the", "a", "an", "and", "of", "to", "in", "is", "has", "have", "had", "buys", "sells", "gives",
           "gets", "more", "fewer", "each", "every", "how", "many", "much", "who", "which", "left", "after",
           "before", "then", "tool", "call", "function", "arguments", "expression", "calculate", "search",
           "open", "read", "list", "error", "invalid", "unknown", "please", "by", "you", "your", "user",
@@ -67,7 +62,7 @@ def needle_line(word: str) -> str:
 
 
 def decoy_line(word: str) -> str:
-    return f"The note word equals {word}."
+    return f"The note word is {word}."
 
 
 class LongNeedleEnv(ToolEnv):

@@ -165,14 +165,3 @@ def test_a_zero_observation_loss_weight_keeps_existing_sft_caches_valid():
     cfg.sft.observation_loss_weight = 0.2
     assert _fingerprint(cfg, "m") != hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**31), repeats=st.integers(1, 8))
-def test_in_the_pages_is_comes_before_the_code_word_only(seed, repeats):
-    """The copy is keyed on one token: in the pages, 'is' is followed by the code word, and by
-    'the' in the question, and by nothing else ('is' is no filler word; the decoy says 'equals')."""
-    env = LongNeedleEnv(num_pages=4, page_words=[1, 300], repeats=repeats)
-    env.reset(seed=seed)
-    text = "\n".join(env.pages)
-    assert re.findall(r"\bis (\w+)", text) == [env.code] * repeats + ["the"]
-    assert re.findall(r"\bword equals (\w+)", text) == [env.note] * repeats
