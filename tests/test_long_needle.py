@@ -165,3 +165,18 @@ def test_a_zero_observation_loss_weight_keeps_existing_sft_caches_valid():
     cfg.sft.observation_loss_weight = 0.2
     assert _fingerprint(cfg, "m") != hashlib.sha256(blob.encode()).hexdigest()[:16]
 
+
+def test_probe_scores_the_answer_word_and_every_later_needle_repeat(tiny_model_dir):
+    """tools/long_needle_probe.py finds its positions in real chat episodes: one answer word per
+    episode and the needle's 2nd..k-th repeats in the pages; the figures are probabilities."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "long_needle_probe.py"
+    spec = importlib.util.spec_from_file_location("long_needle_probe", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = mod.probe(tiny_model_dir, {"num_pages": 3, "page_words": [5, 40], "repeats": 3}, episodes=4)
+    assert out["episodes"] == 4 and out["in_page_repeats_scored"] == 4 * 2
+    assert 0 <= out["answer_p_code"] <= out["answer_p_any_code"] <= 1 and 0 <= out["answer_p_unknown"] <= 1
+    assert 0 <= out["in_page_p_code"] <= 1 and sum(out["answer_p_code_by_page"].values()) > 0

@@ -24,17 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def probe(model_path: str, env_kwargs: dict[str, Any], episodes: int, seed_offset: int = 10_000_000) -> dict[str, Any]:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import agentrl.envs  # noqa: F401
-    from agentrl.chat import ChatRenderer
+    import torch
     from agentrl.envs.long_needle import CODE_WORDS, NOTE_WORDS, LongNeedleEnv
+    from transformers import AutoTokenizer
+
+    from agentrl.chat import ChatRenderer
+    from agentrl.learners.torch_learner import load_hf_model
     from agentrl.sft import build_demonstrations
     from agentrl.tool_calls import build_tool_parser
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32).eval()
+    model = load_hf_model(model_path, "float32").eval()
     renderer = ChatRenderer(tokenizer)
     parser = build_tool_parser("auto", model_path, tokenizer)
 
@@ -66,14 +67,14 @@ def probe(model_path: str, env_kwargs: dict[str, Any], episodes: int, seed_offse
             "argmax_code": int(p.argmax()) == w,
             "p_code_in_page": [float(probs[t - 1, w]) for t in in_page[1:]],
         })
-    mean = lambda key: sum(r[key] for r in rows) / len(rows)  # noqa: E731
+    mean = lambda key: sum(r[key] for r in rows) / len(rows)
     in_page = [x for r in rows for x in r["p_code_in_page"]]
     return {
         "model": model_path, "episodes": len(rows), "tokens_mean": mean("tokens"),
         "answer_p_code": mean("p_code"), "answer_p_unknown": mean("p_unknown"),
         "answer_p_any_code": mean("p_any_code"), "answer_p_note": mean("p_note"),
         "answer_argmax_code": sum(r["argmax_code"] for r in rows) / len(rows),
-        "in_page_p_code": sum(in_page) / len(in_page) if in_page else None,
+        "in_page_p_code": sum(in_page) / len(in_page) if in_page else None, "in_page_repeats_scored": len(in_page),
         "answer_p_code_by_page": {
             page: sum(r["p_code"] for r in rows if r["needle_page"] == page)
             / max(1, sum(r["needle_page"] == page for r in rows))
