@@ -50,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context-length", type=int, default=4096, help="max_position_embeddings")
     p.add_argument("--rope-theta", type=float, default=10000.0)
+    p.add_argument("--induction-steps", type=int, default=0,
+                   help="steps of a pre-stage on repeated random token blocks that gives the model induction heads")
 
     p = sub.add_parser("plot", help="write PNG plots of a run directory")
     p.add_argument("run_dir")
@@ -108,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             from agentrl.tiny import bootstrap_tiny
 
             print(bootstrap_tiny(args.dir, seed=args.seed, family=args.family, max_position_embeddings=args.context_length,
-                                 rope_theta=args.rope_theta))
+                                 rope_theta=args.rope_theta, induction_steps=args.induction_steps))
         elif args.command == "plot":
             from agentrl.plot import plot_run
 

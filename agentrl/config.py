@@ -71,6 +71,12 @@ class TinyModelConfig(Section):
     rope_theta: float = Field(10000.0, gt=0)
     """Rotary base; larger for long contexts, so some rotary dimensions stay nearly still over the
     whole window and attention can match content at any distance."""
+    induction_steps: int = Field(0, ge=0)
+    """Steps of a pre-stage on repeated random token blocks (2,048 tokens each) that gives the
+    random model induction heads, the copy skill every pretrained LM has (the long-context recipe
+    needs it: 1,000 steps, ~100 s). 0: the model stays random."""
+    induction_lr: float = Field(3e-3, gt=0)
+    """Peak learning rate of that pre-stage."""
 
     @model_validator(mode="after")
     def _heads(self) -> "TinyModelConfig":

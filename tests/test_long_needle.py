@@ -150,6 +150,8 @@ def test_long_context_cpu_config_uses_long_needle_with_the_observation_loss():
     cfg = load_config("configs/long_context_cpu.yaml")
     assert cfg.env.id == "agentrl/LongNeedle-v0" and cfg.env.kwargs["num_pages"] >= 4
     assert cfg.sft.observation_loss_weight > 0 and cfg.sft.expert_kwargs["give_up_prob"] > 0.5
+    # the tiny model gets induction heads before SFT (without them the copy formed in some seeds only)
+    assert cfg.model.tiny.induction_steps >= 1000
 
 
 def test_a_zero_observation_loss_weight_keeps_existing_sft_caches_valid():
