@@ -24,7 +24,15 @@ if TYPE_CHECKING:
     from agentrl.config import Config
     from agentrl.tool_calls import ToolCallParser
 
-__all__ = ["build_demonstrations", "digit_tokens", "run_sft"]
+__all__ = ["build_demonstrations", "digit_tokens", "plateau_schedule", "run_sft"]
+
+
+def plateau_schedule(opt, total: int):
+    """Learning rate over ``total`` steps: 20 steps of warm-up, a long plateau (a copy skill is
+    learned late, in a sudden drop), then a linear decay over the last 30 % to 5 %."""
+    import torch
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20, max(0.05, (total - i) / (0.3 * total))))
 
 
 def digit_tokens(tokenizer) -> "torch.Tensor":
@@ -140,9 +148,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
         [lengths[i] for i in fits], sc.batch_tokens, algorithm=cfg.packing.algorithm)[0]] if fits else []
     batches += [[i] for i, n in enumerate(lengths) if n > sc.batch_tokens]
     total = sc.num_epochs * len(batches)
-    # Warm-up, a long plateau (copying numbers is learned late, in a sudden drop), then decay.
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 20, max(0.05, (total - i) / (0.3 * total))))
+    sched = plateau_schedule(opt, total)
     rng = random.Random(cfg.seed)
     t0, step = time.perf_counter(), 0
     for epoch in range(sc.num_epochs):

@@ -17,7 +17,8 @@ from pathlib import Path
 from agentrl.tiny_templates import TEMPLATES
 from agentrl.tool_calls import FAMILY_TOOL_PARSERS, format_tool_call
 
-__all__ = ["FAMILIES", "Family", "bootstrap_tiny", "induction_batch", "pretrain_induction", "tiny_corpus", "tiny_family"]
+__all__ = ["FAMILIES", "Family", "bootstrap_tiny", "induction_batch", "pretrain_induction", "tiny_corpus", "tiny_family",
+           "tiny_stamp"]
 
 STAMP = "agentrl_tiny.json"
 
@@ -237,6 +238,7 @@ def pretrain_induction(model, tokenizer, *, steps: int, lr: float = 3e-3, batch_
 
     from agentrl.learners.hf_forward import packed_token_logprobs
     from agentrl.packing import pack_sequences
+    from agentrl.sft import plateau_schedule
 
     special = set(tokenizer.all_special_ids)
     token_ids = [i for i in range(len(tokenizer)) if i not in special]
@@ -244,8 +246,7 @@ def pretrain_induction(model, tokenizer, *, steps: int, lr: float = 3e-3, batch_
     torch.manual_seed(seed)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    sched = torch.optim.lr_scheduler.LambdaLR(  # warm-up, plateau, decay (as in agentrl sft)
-        opt, lambda i: min(1.0, (i + 1) / 20, max(0.05, (steps - i) / (0.3 * steps))))
+    sched = plateau_schedule(opt, steps)
     t0, recent = time.perf_counter(), []
     for step in range(steps):
         seqs, masks = induction_batch(rng, token_ids, batch_tokens, span)
@@ -268,10 +269,13 @@ def pretrain_induction(model, tokenizer, *, steps: int, lr: float = 3e-3, batch_
             "p_copy": sum(r[1] for r in recent) / len(recent), "seconds": round(time.perf_counter() - t0, 1)}
 
 
+def tiny_stamp(path: str | Path) -> dict | None:
+    """What :func:`bootstrap_tiny` recorded at ``path`` (family, seed, induction stage), or None."""
+    stamp = Path(path) / STAMP
+    return json.loads(stamp.read_text()) if stamp.is_file() else None
+
+
 def tiny_family(path: str | Path) -> str | None:
     """The family of a tiny model made by :func:`bootstrap_tiny` at ``path`` (None: not one, or one
     made before families existed, which were all qwen2)."""
-    stamp = Path(path) / STAMP
-    if stamp.is_file():
-        return json.loads(stamp.read_text()).get("family")
-    return None
+    return (tiny_stamp(path) or {}).get("family")

@@ -44,13 +44,19 @@ def resolve_model_path(cfg: Config) -> str:
                 "Point it at a local checkpoint, or set model.bootstrap_tiny=true to create a tiny model there."
             )
     elif cfg.model.bootstrap_tiny:
-        from agentrl.tiny import tiny_family
+        from agentrl.tiny import tiny_stamp
 
-        made = tiny_family(path)
+        stamp = tiny_stamp(path) or {}
+        made = stamp.get("family")
         if made is not None and made != cfg.model.family:
             raise ConfigError(f"model.family: {cfg.model.family!r}, but model.path '{path}' holds a tiny {made!r} "
                               "model made earlier; point model.path at another directory (e.g. "
                               f"model.path=.cache/tiny-{cfg.model.family})")
+        steps = stamp.get("induction", {}).get("steps", 0)
+        if stamp and steps != cfg.model.tiny.induction_steps:
+            raise ConfigError(f"model.tiny.induction_steps: {cfg.model.tiny.induction_steps}, but model.path '{path}' "
+                              f"holds a tiny model made earlier with {steps}; point model.path at another directory "
+                              "or delete it to make the model again")
     return str(path)
 
 

@@ -48,10 +48,24 @@ def test_a_random_model_learns_to_copy_a_repeated_block(tmp_path):
         return float((logp.exp() * m).sum() / m.sum())
 
     before = p_copy()
-    stats = pretrain_induction(model, tokenizer, steps=STEPS, batch_tokens=1024, span=(16, 64), log=lambda _: None)
+    stats = pretrain_induction(model, tokenizer, steps=600, batch_tokens=1024, span=(16, 64), log=lambda _: None)
     after = p_copy()
     assert before < 0.01  # a random model cannot copy (chance is 1/vocab)
     assert after > 0.5 and stats["p_copy"] > 0.5, (before, after, stats)
 
 
-STEPS = 600
+
+def test_a_cached_tiny_model_made_with_other_induction_steps_is_refused(tmp_path):
+    import pytest
+
+    from agentrl.config import ConfigError, load_config
+    from agentrl.tiny import tiny_stamp
+    from agentrl.trainer import resolve_model_path
+
+    args = [f"model.path={tmp_path / 'm'}", "model.bootstrap_tiny=true", "model.tiny.hidden_size=32",
+            "model.tiny.num_heads=1", "model.tiny.num_kv_heads=1"]
+    path = resolve_model_path(load_config(None, [*args, "model.tiny.induction_steps=2"]))
+    assert tiny_stamp(path)["induction"]["steps"] == 2
+    assert resolve_model_path(load_config(None, [*args, "model.tiny.induction_steps=2"])) == path  # reused
+    with pytest.raises(ConfigError, match=r"model.tiny.induction_steps: 0, but model.path .* made earlier with 2"):
+        resolve_model_path(load_config(None, args))
