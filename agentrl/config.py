@@ -137,6 +137,10 @@ class RolloutConfig(Section):
     longer match the learner's full-softmax logprobs."""
     max_new_tokens: int = Field(64, ge=1)
     """Tokens the policy may sample in one turn."""
+    min_new_tokens: int = Field(0, ge=0)
+    """Tokens the engine samples in a turn before it may stop (vLLM's min_tokens; end-of-turn and
+    EOS are held back until then). 0: none. Benchmarks set it to max_new_tokens so every reply has
+    one length (bench/peers/)."""
     max_turns: int = Field(4, ge=1)
     """Assistant turns before the episode is truncated."""
     max_total_tokens: int = Field(1024, ge=16)

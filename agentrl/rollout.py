@@ -136,8 +136,9 @@ async def run_episode(
         for turn in range(cfg.max_turns):
             budget = min(cfg.max_new_tokens, limit - len(ep.ids))
             try:
+                extra = {"min_tokens": min(cfg.min_new_tokens, budget)} if cfg.min_new_tokens else {}
                 out = await client.generate(
-                    ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id
+                    ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id, **extra
                 )
             except Exception as exc:  # the engine died or refused: drop the episode, count it
                 raise EpisodeFailed(f"engine error: {type(exc).__name__}: {str(exc)[:200]}") from exc

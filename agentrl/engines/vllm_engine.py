@@ -110,6 +110,7 @@ class VLLMEngine:
         stop_token_ids: list[int] | None = None,
         seed: int | None = None,
         ignore_eos: bool = False,
+        min_tokens: int = 0,
     ) -> GenerationResult:
         """Sample a continuation of ``prompt_ids``; each token is tagged with the version in force
         when it came out of the engine (with in-flight refit, one turn can span versions)."""
@@ -124,6 +125,7 @@ class VLLMEngine:
             stop_token_ids=stop_token_ids,
             seed=seed,
             ignore_eos=ignore_eos,
+            min_tokens=min_tokens,
             detokenize=False,
             output_kind=RequestOutputKind.DELTA,
         )

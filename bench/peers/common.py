@@ -1,0 +1,290 @@
+"""What every system in the peer harness shares: the workloads, the model, the prompts, the tool,
+the reward and the measurements. Each runner (`run_agentrl.py`, `run_trl.py`, `run_verl.py`)
+imports this and nothing of the others, so a system is measured only through its own code path.
+
+The model is a Qwen2.5-1.5B-shaped Qwen2 with random weights in bf16 (no checkpoint can be
+downloaded on the device) and the project's tiny byte-level tokenizer with a Qwen-style chat
+template; every system loads the same directory. With random weights almost every sampled id lies
+beyond the tokenizer's 749 entries and decodes to nothing, so the reward is the share of a reply's
+tokens that decode to text (:func:`reply_reward`): a signal GRPO can climb from random weights,
+which shows that each system really trains (a flat curve would mean it trains on garbage).
+
+Every reply is `min_tokens = max_tokens` long (no system wins by stopping early); every reply in a
+tool workload counts as one tool call (a random model writes no tool-call syntax, so each system
+is told that its whole reply is the call: agentrl's env reads the text as the call, TRL's tokenizer
+parses any reply into a call of the `lookup` tool). The tool sleeps `tool_latency_s` and answers
+with a fixed text of `obs_tokens` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["WORKLOADS", "Workload", "GpuSampler", "Result", "make_model", "prompt_texts", "observation_text",
+           "reply_reward", "lookup_tool", "write_result", "pinned_versions"]
+
+# The versions the harness was written against and measured with; the runners refuse others.
+PINNED = {"trl": "1.16.0", "verl": "0.9.1", "vllm": "0.26.0"}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One workload, the same for every system."""
+
+    name: str
+    prompt_tokens: int
+    """Tokens of the user prompt (before the chat template)."""
+    new_tokens: int
+    """Tokens per reply (min = max)."""
+    group_size: int
+    """Samples per prompt (GRPO's G)."""
+    prompts_per_step: int
+    """Prompts (groups) per optimizer step."""
+    tool_calls: int = 0
+    """Tool calls per episode: replies 1..tool_calls are calls, reply tool_calls+1 ends it."""
+    tool_latency_s: float = 0.0
+    obs_tokens: int = 0
+    """Tokens of each tool answer."""
+
+    @property
+    def episode_tokens(self) -> int:
+        """Approximate tokens of one finished episode (prompt, replies, tool answers)."""
+        return self.prompt_tokens + (self.tool_calls + 1) * self.new_tokens + self.tool_calls * (self.obs_tokens + 12)
+
+    def scaled(self, factor: float) -> Workload:
+        """A smaller copy for CPU checks of the harness itself (same shape, fewer tokens)."""
+        s = lambda n: max(1, int(round(n * factor)))  # noqa: E731
+        return replace(self, prompt_tokens=s(self.prompt_tokens), new_tokens=s(self.new_tokens),
+                       prompts_per_step=max(2, s(self.prompts_per_step)), group_size=max(2, s(self.group_size)),
+                       obs_tokens=s(self.obs_tokens) if self.obs_tokens else 0,
+                       tool_latency_s=self.tool_latency_s * factor)
+
+
+WORKLOADS: dict[str, Workload] = {
+    # What every peer is built for: one prompt, one long reply.
+    "single": Workload("single", prompt_tokens=256, new_tokens=512, group_size=8, prompts_per_step=64),
+    # bench/gpu_e2e.py's setting: 3 tool calls, a 0.5 s tool, ~96 new tokens per turn.
+    "multi": Workload("multi", prompt_tokens=64, new_tokens=96, group_size=8, prompts_per_step=4,
+                      tool_calls=3, tool_latency_s=0.5, obs_tokens=200),
+    # 4 turns whose tool answers bring the episode to ~16k tokens.
+    "long": Workload("long", prompt_tokens=64, new_tokens=96, group_size=8, prompts_per_step=2,
+                     tool_calls=3, tool_latency_s=0.5, obs_tokens=5200),
+}
+
+SHAPES = {
+    # Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads (2 KV), MLP 8960, vocab 151936, tied embeddings.
+    "1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                 num_attention_heads=12, num_key_value_heads=2),
+    # For CPU checks of the harness: the same vocabulary, a few small layers.
+    "cpu": dict(vocab_size=151936, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def make_model(out: Path, shape: str = "1.5b", max_position_embeddings: int = 32768) -> str:
+    """Random weights of ``shape`` (bf16 on CUDA, fp32 on CPU) with the tiny tokenizer, in HF format."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from agentrl.tiny import bootstrap_tiny
+
+    out = Path(out)
+    if (out / "config.json").is_file() and (out / "peer_shape.txt").is_file() \
+            and (out / "peer_shape.txt").read_text() == shape:
+        return str(out)
+    bootstrap_tiny(out, log=lambda *a, **k: None)  # tokenizer + chat template; the weights are replaced
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=max_position_embeddings, rope_theta=1_000_000.0,
+                         tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=0)
+    torch.manual_seed(0)
+    cuda = torch.cuda.is_available()
+    with torch.device("cuda" if cuda else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if cuda else torch.float32)
+    for f in out.glob("model*.safetensors"):
+        f.unlink()
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "peer_shape.txt").write_text(shape)
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return str(out)
+
+
+def _text_of_tokens(tokenizer: Any, rng: random.Random, num_tokens: int, words: list[str]) -> str:
+    """Words drawn with ``rng`` until the text is ``num_tokens`` tokens long (never more)."""
+    text = ""
+    while True:
+        nxt = (text + " " if text else "") + rng.choice(words)
+        if len(tokenizer(nxt, add_special_tokens=False)["input_ids"]) > num_tokens:
+            return text
+        text = nxt
+
+
+_WORDS = "alpha beta gamma delta red green blue seven eight nine apples books coins left right".split()
+
+
+def prompt_texts(tokenizer: Any, workload: Workload, num: int, seed: int = 0) -> list[str]:
+    """``num`` distinct user prompts of ``workload.prompt_tokens`` tokens each."""
+    rng = random.Random(seed)
+    head = "Use the lookup tool until it says stop. " if workload.tool_calls else "Write. "
+    base = len(tokenizer(head, add_special_tokens=False)["input_ids"])
+    return [head + _text_of_tokens(tokenizer, rng, max(1, workload.prompt_tokens - base), _WORDS) for _ in range(num)]
+
+
+def observation_text(tokenizer: Any, workload: Workload) -> str:
+    """The tool's answer: a fixed text of ``workload.obs_tokens`` tokens."""
+    return _text_of_tokens(tokenizer, random.Random(1), workload.obs_tokens, _WORDS) if workload.obs_tokens else ""
+
+
+def reply_reward(replies: list[str], new_tokens: int) -> float:
+    """Mean over the policy's replies of (characters of text it decodes to) / (4 * tokens), capped at 1.
+
+    With random weights ~0.5 % of sampled ids decode to text; GRPO raises that share when it trains.
+    """
+    if not replies:
+        return 0.0
+    return statistics.fmean(min(1.0, len(r.strip()) / (4.0 * new_tokens)) for r in replies)
+
+
+def lookup_tool(observation: str, latency_s: float):
+    """The workload's tool, as a plain typed function (TRL and verl read its schema from the hints)."""
+
+    def lookup(query: str) -> str:
+        """Look something up.
+
+        Args:
+            query: What to look up.
+        """
+        time.sleep(latency_s)
+        return observation
+
+    return lookup
+
+
+class GpuSampler:
+    """NVML, every 0.1 s in a thread: utilization and device memory in use (all processes)."""
+
+    def __init__(self) -> None:
+        self.util: list[tuple[float, float]] = []
+        self.used_gib: list[tuple[float, float]] = []
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+        except Exception:  # CPU checks of the harness: nothing to sample
+            self._nvml = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            t = time.perf_counter()
+            self.util.append((t, self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0))
+            self.used_gib.append((t, self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**30))
+
+    def start(self) -> GpuSampler:
+        if self._nvml is not None:
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def busy(self, since: float = 0.0) -> float | None:
+        kept = [u for t, u in self.util if t >= since]
+        return statistics.fmean(kept) if kept else None
+
+    def peak_gib(self) -> float | None:
+        return max((u for _, u in self.used_gib), default=None)
+
+
+@dataclass
+class Result:
+    """One system on one workload: what the table prints."""
+
+    system: str
+    setting: str
+    workload: str
+    status: str = "ok"
+    """ok | oom | unsupported | error"""
+    reason: str = ""
+    steps: int = 0
+    """Timed steps (after warm-up)."""
+    step_time_s: float | None = None
+    """Median wall time of a timed step."""
+    trained_tokens_per_step: float | None = None
+    trained_tokens_per_s_per_gpu: float | None = None
+    """Trained tokens (prompt + replies + tool answers of every trained sequence) / wall / GPUs."""
+    generated_tokens_per_s: float | None = None
+    """Sampled tokens / wall time of the timed steps."""
+    weight_sync_s: float | None = None
+    peak_gpu_gib: float | None = None
+    """Peak device memory in use (NVML, all processes), GiB."""
+    gpu_busy: float | None = None
+    reward_curve: list[float] = field(default_factory=list)
+    """Mean batch reward per step, warm-up included."""
+    episode_tokens: float | None = None
+    """Mean tokens of one trained episode."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    workload_spec: dict[str, Any] = field(default_factory=dict)
+    versions: dict[str, str] = field(default_factory=dict)
+    device: str = ""
+    date: str = ""
+
+
+def pinned_versions(*names: str) -> dict[str, str]:
+    """Installed versions of torch, transformers and ``names``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for n in ("torch", "transformers", "vllm", *names):
+        try:
+            out[n] = version(n)
+        except PackageNotFoundError:
+            out[n] = "missing"
+    return out
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def write_result(res: Result, out: Path) -> None:
+    """Append one result to ``out`` (a JSON list) and print it."""
+    res.device = res.device or device_name()
+    res.date = res.date or time.strftime("%Y-%m-%d")
+    out = Path(out)
+    rows = json.loads(out.read_text()) if out.is_file() else []
+    rows.append(asdict(res))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(rows, indent=2))
+    print("RESULT " + json.dumps(asdict(res)), flush=True)
+
+
+def timed_summary(step_walls: list[float], tokens: list[float], generated: list[float], warmup: int) -> dict[str, float]:
+    """Median step time and throughputs over the steps after ``warmup``."""
+    walls, toks, gens = step_walls[warmup:], tokens[warmup:], generated[warmup:]
+    span = sum(walls) or 1e-9
+    return {"steps": len(walls), "step_time_s": statistics.median(walls) if walls else None,
+            "trained_tokens_per_step": statistics.fmean(toks) if toks else None,
+            "trained_tokens_per_s_per_gpu": sum(toks) / span, "generated_tokens_per_s": sum(gens) / span}

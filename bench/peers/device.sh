@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The peer harness on the GPU machine (bench/peers/README.md). First the three-call carry of vLLM and
+# Ray into /tmp/site (../shared/device/vllm/README.md); then, from the repo root, steps in any order:
+#   bash bench/peers/device.sh trl-install                # the call that carries .peers/trl
+#   bash bench/peers/device.sh agentrl:multi:recommended,like trl:multi:recommended
+# Each run step is SYSTEM:WORKLOAD:SETTINGS; results are appended to $OUT/peers.json, logs to $OUT.
+# RUN_TIMEOUT (s, default 540) bounds each run step; PEER_ARGS are passed to every runner.
+set -o pipefail
+[ -d /tmp/site/vllm ] || { echo "peers: /tmp/site/vllm is missing: run the three carry calls first"; exit 3; }
+[ -e agentrl/envs ] || ln -s ../envs agentrl/envs
+[ -e agentrl/actors ] || ln -s ../actors agentrl/actors
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
+export RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+rc=0
+for step in "$@"; do
+  case $step in
+    trl-install)
+      python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer-trl .peers/trl/*.whl || rc=1
+      PYTHONPATH=/tmp/peer-trl:$PYTHONPATH python3 -c "import trl, datasets; print('trl', trl.__version__, 'datasets', datasets.__version__)" || rc=1 ;;
+    agentrl:*|trl:*)
+      IFS=: read -r system workload settings <<< "$step"
+      site=$PYTHONPATH; [ "$system" = trl ] && site=/tmp/peer-trl:$PYTHONPATH
+      echo "== $step ($(date +%T))"
+      PYTHONPATH=$site timeout -k 20 "${RUN_TIMEOUT:-540}" python3 "bench/peers/run_$system.py" --workload "$workload" \
+        --settings "${settings:-recommended}" --out "$OUT/peers.json" --workdir /tmp/peers ${PEER_ARGS:-} 2>&1 \
+        | grep -v "Warning\|warn(\|it/s\]" > "$OUT/${system}-${workload}.log"; src=$?
+      grep "^RESULT" "$OUT/${system}-${workload}.log" | cut -c1-400
+      [ $src = 0 ] || { echo "$step exited $src"; tail -30 "$OUT/${system}-${workload}.log"; rc=1; }
+      # anything a killed run left on the GPU would skew the next one
+      pkill -9 -f "ray::" 2>/dev/null; python3 -c "import ray; ray.shutdown()" 2>/dev/null; sleep 2 ;;
+    *) echo "peers: unknown step '$step'"; rc=2 ;;
+  esac
+done
+python3 bench/peers/table.py "$OUT/peers.json" 2>/dev/null || true
+exit $rc

@@ -1,0 +1,148 @@
+"""agentrl on one peer-harness workload (bench/peers/README.md): writes one Result per setting.
+
+Settings:
+  recommended  what configs/gpu_1x.yaml and the GPU guide recommend on one GPU: the engine and the
+               Megatron learner both resident (static split), async with max_staleness 2, refit
+               every step by CUDA IPC; the long workload sleeps the engine while the learner steps
+               (colocated), since a 16k-token micro-batch does not fit beside a resident engine.
+  like         closest to TRL's colocate mode: the same placement, but on-policy (max_staleness 0:
+               generate, then train, then refit, one after the other).
+
+    python bench/peers/run_agentrl.py --workload multi --settings recommended,like --out peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.peers.common import (WORKLOADS, GpuSampler, Result, make_model, observation_text,  # noqa: E402
+                                pinned_versions, prompt_texts, timed_summary, write_result)
+
+ENV_ID = "bench.peers.peer_env:PeerTool-v0"
+
+
+def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting: str) -> list[str]:
+    steps = args.warmup + args.steps
+    max_len = wl.episode_tokens + 512
+    colocated = wl.name == "long" and not args.cpu
+    out = [
+        f"model.path={model}", "model.bootstrap_tiny=false", f"run_dir={args.workdir}/run-{wl.name}-{setting}", "sft.enabled=false",
+        f"env.id={ENV_ID}",
+        f"env.kwargs={{texts_file: '{texts_file}', tool_calls: {wl.tool_calls}, latency_s: {wl.tool_latency_s}, "
+        f"new_tokens: {wl.new_tokens}, max_turns: {wl.tool_calls + 1}}}",
+        "rollout.num_actors=2", f"rollout.group_size={wl.group_size}",
+        f"rollout.max_concurrent_groups={max(1, wl.prompts_per_step // 2) if setting == 'like' else wl.prompts_per_step}",
+        "rollout.temperature=1.0", "rollout.top_p=1.0", f"rollout.max_new_tokens={wl.new_tokens}",
+        f"rollout.min_new_tokens={wl.new_tokens}", f"rollout.max_turns={wl.tool_calls + 1}",
+        f"rollout.max_total_tokens={max_len}", f"engine.max_model_len={max_len}",
+        f"engine.max_num_seqs={min(512, wl.group_size * wl.prompts_per_step * 2)}",
+        f"replay.max_staleness={0 if setting == 'like' else 2}", f"replay.groups_per_step={wl.prompts_per_step}",
+        f"replay.capacity={4 * wl.prompts_per_step}",
+        f"learner.lr={args.lr}", "loss.clip_low=0.2", "loss.clip_high=0.28",
+        f"packing.max_tokens_per_microbatch={max(8192, max_len)}",
+        f"train.num_steps={steps}", "train.checkpoint_interval=0", "eval.num_episodes=0",
+    ]
+    if args.cpu:
+        out += ["learner.backend=torch", "learner.num_gpus=0", "engine.num_gpus=0", "colocate.enabled=false",
+                "model.dtype=float32", "cluster.num_cpus=4", "engine.num_cpus=1", "learner.num_cpus=1",
+                "engine.kv_cache_gib=1"]
+    else:
+        out += [f"colocate.engine_sleep={'true' if colocated else 'false'}",
+                f"engine.gpu_memory_utilization={0.5 if colocated else args.engine_mem}", "cluster.num_cpus=14"]
+    return out + list(args.set)
+
+
+def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setting: str) -> Result:
+    import ray
+
+    from agentrl.config import load_config
+    from agentrl.trainer import Trainer
+
+    res = Result(system="agentrl", setting=setting, workload=wl.name, workload_spec=wl.__dict__.copy(),
+                 versions=pinned_versions("ray", "megatron-core"))
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "gpu_1x.yaml",
+                      overrides(args, wl, model, texts_file, setting))
+    res.extra["config"] = {"max_staleness": cfg.replay.max_staleness, "engine_sleep": cfg.colocate.engine_sleep,
+                           "learner": cfg.learner.backend, "micro_batch_tokens": cfg.packing.max_tokens_per_microbatch}
+    trainer = Trainer(cfg, progress=False)
+    trainer.save_checkpoint = lambda: None  # a benchmark keeps no checkpoint (3 GB at this size)
+    rows: list[dict] = []
+    stamps: list[float] = []
+    sampler = GpuSampler().start()
+    try:
+        trainer.start()
+        logger = type("L", (), {"log": lambda self, step, m: (rows.append(dict(m)), stamps.append(time.perf_counter())),
+                                "close": lambda self: None})()
+        runs = [r.run.remote() for r in trainer.rollouts]
+        t0 = time.perf_counter()
+        trainer._loop(logger)
+        for r in trainer.rollouts:
+            r.stop.remote()
+        del runs
+    except Exception as exc:  # out of memory or any failure: the table says so
+        oom = "out of memory" in str(exc).lower() or "OutOfMemory" in type(exc).__name__ or "OOM" in str(exc)
+        res.status, res.reason = ("oom" if oom else "error"), f"{type(exc).__name__}: {str(exc)[-600:]}"
+        traceback.print_exc()
+    finally:
+        sampler.stop()
+        trainer.shutdown()
+        ray.shutdown()
+    if rows:
+        walls = [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
+        gen = [m.get("rollout/tokens_per_s", 0.0) * m.get("timing/step", 0.0) for m in rows]
+        summary = timed_summary(walls, [m.get("train/num_tokens", 0.0) for m in rows], gen, args.warmup)
+        for k, v in summary.items():
+            setattr(res, k, v)
+        timed = rows[args.warmup:]
+        res.weight_sync_s = (sum(m.get("timing/refit", 0.0) for m in timed) / len(timed)) if timed else None
+        res.reward_curve = [round(m.get("rollout/reward", 0.0), 4) for m in rows]
+        res.episode_tokens = (sum(m.get("train/num_tokens", 0.0) for m in rows)
+                              / max(1.0, sum(m.get("train/num_sequences_trained", m.get("rollout/trajectories", 1.0))
+                                             for m in rows)))
+        res.extra["staleness_max"] = max(m.get("replay/staleness_max", 0.0) for m in rows)
+        res.extra["step_walls_s"] = [round(w, 3) for w in walls]
+    res.peak_gpu_gib = sampler.peak_gib()
+    res.gpu_busy = sampler.busy(stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0)
+    if res.status == "ok" and res.steps < args.steps:
+        res.status, res.reason = "error", f"only {res.steps} timed steps ran"
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
+    p.add_argument("--settings", default="recommended,like")
+    p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--engine-mem", type=float, default=0.2,
+                   help="vLLM's share of the GPU when resident (bench/gpu_e2e.py: 0.25 left no room for a refit)")
+    p.add_argument("--out", default="peers.json")
+    p.add_argument("--workdir", default="/tmp/peers")
+    p.add_argument("--cpu", action="store_true", help="a CPU check of the harness: tiny shape, scaled workload")
+    p.add_argument("--scale", type=float, default=1.0, help="scale the workload's sizes (CPU checks)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args = p.parse_args()
+    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    wl = WORKLOADS[args.workload]
+    wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
+    model = make_model(Path(args.workdir) / f"model-{'cpu' if args.cpu else '1.5b'}", "cpu" if args.cpu else "1.5b")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    texts_file = Path(args.workdir) / f"texts-{wl.name}.json"
+    texts_file.write_text(json.dumps({"prompts": prompt_texts(tok, wl, 256), "observation": observation_text(tok, wl)}))
+    for setting in args.settings.split(","):
+        write_result(run_setting(args, wl, model, str(texts_file), setting), Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""TRL's GRPOTrainer on one peer-harness workload (bench/peers/README.md): writes one Result per setting.
+
+TRL is used as installed (pinned: trl 1.16.0), through its public API: `GRPOTrainer` with vLLM in
+colocate mode (its recommended one-GPU setting: the engine lives in the trainer's process at
+`vllm_gpu_memory_utilization` 0.3 and generation and training alternate), and for the tool
+workloads its own multi-turn mechanism: `tools=[lookup]` with `max_tool_calling_iterations`, where
+the trainer parses each reply with the tokenizer's `parse_response`, runs the tool and appends the
+tool message's tokens. The harness only observes: a `TrainerCallback` stamps each optimizer step,
+and TRL's own profiling contexts (`sync_weights`, `vLLM.generate`) are recorded.
+
+Settings:
+  recommended  TRL's defaults for GRPO on one GPU (fp32 master weights with bf16 autocast, gradient
+               checkpointing, loss_type dapo, sequence-level masked IS of the vLLM mismatch),
+               with the harness's clip (0.2/0.28), KL off (beta 0, TRL's default) and learning rate.
+  like         the same, with agentrl's choices where TRL has the knob: token-level truncated IS
+               capped at 2, no gradient checkpointing (agentrl's Megatron learner does not recompute).
+
+    python bench/peers/run_trl.py --workload multi --settings recommended --out peers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.peers.common import (PINNED, WORKLOADS, GpuSampler, Result, lookup_tool, make_model,  # noqa: E402
+                                observation_text, pinned_versions, prompt_texts, reply_reward, timed_summary,
+                                write_result)
+
+
+def always_a_tool_call(tokenizer) -> None:
+    """Make the tokenizer parse any reply into one call of `lookup` (see common.py: a random model
+    writes no tool-call syntax; agentrl's env reads every reply as the call in the same way)."""
+    tokenizer.response_template = {"harness": "every reply is a lookup call"}  # TRL checks it is set
+
+    def parse_response(ids, prefix=None, tools=None, **_):
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        return {"role": "assistant", "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"query": text}}}]}
+
+    tokenizer.parse_response = parse_response
+
+
+def as_dataset(rows: list[dict]):
+    """A `datasets.Dataset` of ``rows``. Named by hand: datasets 5.2 hashes a new table's schema with
+    dill to name it, which fails beside pyarrow 25 (the device image's) and dill 0.4.1."""
+    import pyarrow as pa
+    from datasets import Dataset
+
+    return Dataset(pa.Table.from_pylist(rows), fingerprint="peer-harness-prompts")
+
+
+def make_reward(new_tokens: int):
+    def harness_reward(prompts, completions, **_):
+        out = []
+        for completion in completions:
+            if isinstance(completion, str):
+                replies = [completion]
+            else:
+                replies = [m["tool_calls"][0]["function"]["arguments"]["query"] if m.get("tool_calls") else m["content"]
+                           for m in completion if m["role"] == "assistant"]
+            out.append(reply_reward(replies, new_tokens))
+        return out
+
+    return harness_reward
+
+
+def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], observation: str, setting: str) -> Result:
+    import torch
+    from transformers import AutoTokenizer, TrainerCallback
+
+    import trl
+    import trl.extras.profiling as profiling
+    from trl import GRPOConfig, GRPOTrainer
+
+    res = Result(system="trl", setting=setting, workload=wl.name, workload_spec=wl.__dict__.copy(),
+                 versions=pinned_versions("trl", "accelerate", "datasets"))
+    if trl.__version__ != PINNED["trl"] and not args.any_version:
+        raise SystemExit(f"the harness pins trl=={PINNED['trl']}, found {trl.__version__} (--any-version to run anyway)")
+    total = wl.group_size * wl.prompts_per_step  # completions per optimizer step
+    per_device = args.micro_batch or (1 if wl.name == "long" else min(8, total))
+    max_completion = wl.episode_tokens - wl.prompt_tokens + 64
+    steps = args.warmup + args.steps
+    tok = AutoTokenizer.from_pretrained(model)
+    tools = []
+    if wl.tool_calls:
+        always_a_tool_call(tok)
+        tools = [lookup_tool(observation, wl.tool_latency_s)]
+    like = setting == "like"
+    cfg = GRPOConfig(
+        output_dir=f"{args.workdir}/trl-{wl.name}-{setting}", max_steps=steps, learning_rate=args.lr,
+        per_device_train_batch_size=per_device, gradient_accumulation_steps=total // per_device,
+        num_generations=wl.group_size, max_completion_length=max_completion,
+        temperature=1.0, top_p=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
+        # per reply (vLLM's SamplingParams; transformers' generate on the CPU check)
+        generation_kwargs=({"min_new_tokens": wl.new_tokens, "max_new_tokens": wl.new_tokens} if args.cpu
+                           else {"min_tokens": wl.new_tokens, "max_tokens": wl.new_tokens}),
+        max_tool_calling_iterations=wl.tool_calls if wl.tool_calls else None,
+        use_vllm=not args.cpu, vllm_mode="colocate", vllm_gpu_memory_utilization=args.engine_mem,
+        vllm_max_model_length=wl.episode_tokens + 512,
+        gradient_checkpointing=not like, bf16=not args.cpu, use_cpu=args.cpu,
+        vllm_importance_sampling_mode="token_truncate" if like else "sequence_mask",
+        vllm_importance_sampling_clip_max=2.0 if like else 3.0,
+        lr_scheduler_type="constant" if like else "linear",
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, shuffle_dataset=False,
+        dataloader_num_workers=0,
+    )
+    rows = [{"prompt": [{"role": "user", "content": prompts[i % len(prompts)]}]} for i in range(wl.prompts_per_step * steps)]
+    stamps: list[float] = []
+    log_rows: list[dict] = []
+    timings: dict[str, list[float]] = {}
+    original = profiling.ProfilingContext._log_metrics
+
+    def record(self, duration):  # TRL's own timers (sync_weights, vLLM.generate), observed, not changed
+        timings.setdefault(self.name.split(".", 1)[-1], []).append(duration)
+        return original(self, duration)
+
+    class Stamp(TrainerCallback):
+        def on_step_end(self, a, state, control, **kw):
+            stamps.append(time.perf_counter())
+
+        def on_log(self, a, state, control, logs=None, **kw):
+            if logs and "reward" in logs:
+                log_rows.append({**logs, "_step": state.global_step})
+
+    sampler = GpuSampler().start()
+    profiling.ProfilingContext._log_metrics = record
+    t0 = time.perf_counter()
+    try:
+        trainer = GRPOTrainer(model=model, reward_funcs=make_reward(wl.new_tokens), args=cfg,
+                              train_dataset=as_dataset(rows), processing_class=tok, tools=tools or None,
+                              callbacks=[Stamp()])
+        t0 = time.perf_counter()
+        trainer.train()
+    except Exception as exc:
+        oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
+        res.status, res.reason = ("oom" if oom else "error"), f"{type(exc).__name__}: {str(exc)[-600:]}"
+        traceback.print_exc()
+    finally:
+        profiling.ProfilingContext._log_metrics = original
+        sampler.stop()
+    if stamps:
+        walls = [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
+        seen = [lg.get("num_tokens", 0.0) for lg in log_rows]
+        trained = [b - a for a, b in zip([0.0, *seen[:-1]], seen)]
+        gen = [lg.get("completions/mean_length", 0.0) * total for lg in log_rows]
+        summary = timed_summary(walls, trained, gen, args.warmup)
+        for k, v in summary.items():
+            setattr(res, k, v)
+        syncs = timings.get("sync_weights", [])[args.warmup:]
+        res.weight_sync_s = sum(syncs) / len(syncs) if syncs else None
+        res.reward_curve = [round(lg.get("reward", 0.0), 4) for lg in log_rows]
+        res.episode_tokens = (seen[-1] / (total * len(seen))) if seen else None
+        res.extra["step_walls_s"] = [round(w, 3) for w in walls]
+        res.extra["generate_s"] = [round(x, 3) for x in timings.get("generate", [])]
+        res.extra["tool_calls_per_episode"] = [lg.get("tools/call_frequency") for lg in log_rows]
+        res.extra["config"] = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": total // per_device,
+                               "gradient_checkpointing": cfg.gradient_checkpointing,
+                               "is_mode": cfg.vllm_importance_sampling_mode}
+    res.peak_gpu_gib = sampler.peak_gib()
+    res.gpu_busy = sampler.busy(stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0)
+    if res.status == "ok" and res.steps < args.steps:
+        res.status, res.reason = "error", f"only {res.steps} timed steps ran"
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
+    p.add_argument("--settings", default="recommended")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--engine-mem", type=float, default=0.3)
+    p.add_argument("--micro-batch", type=int, default=0, help="per_device_train_batch_size (0: 8, long: 1)")
+    p.add_argument("--out", default="peers.json")
+    p.add_argument("--workdir", default="/tmp/peers")
+    p.add_argument("--cpu", action="store_true", help="a CPU check of the harness (transformers generate, no vLLM)")
+    p.add_argument("--scale", type=float, default=1.0)
+    p.add_argument("--any-version", action="store_true")
+    args = p.parse_args()
+    wl = WORKLOADS[args.workload]
+    wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
+    model = make_model(Path(args.workdir) / f"model-{'cpu' if args.cpu else '1.5b'}", "cpu" if args.cpu else "1.5b")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts, observation = prompt_texts(tok, wl, 256), observation_text(tok, wl)
+    for setting in args.settings.split(","):
+        write_result(run_setting(args, wl, model, prompts, observation, setting), Path(args.out))
+
+
+if __name__ == "__main__":
+    main()

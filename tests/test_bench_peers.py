@@ -1,0 +1,119 @@
+"""The peer harness's shared pieces (bench/peers/): what every system is given must really be the
+same, and the table must print what the runs measured. The runs themselves need a GPU and the
+peers' wheels (bench/peers/README.md); `rollout.min_new_tokens`, which the harness relies on, is
+checked here through a real episode loop."""
+
+from __future__ import annotations
+
+import json
+
+import anyio
+import gymnasium
+import pytest
+from transformers import AutoTokenizer
+
+from agentrl.chat import ChatRenderer
+from agentrl.config import RolloutConfig, load_config
+from agentrl.engines.vllm_engine import GenerationResult
+from agentrl.rollout import run_episode
+from bench.peers.common import WORKLOADS, Result, observation_text, prompt_texts, reply_reward, write_result
+from bench.peers.table import table
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_prompts_and_tool_answers_have_the_workloads_token_counts(tok, name):
+    wl = WORKLOADS[name]
+    prompts = prompt_texts(tok, wl, 16)
+    assert len(set(prompts)) == 16 and prompts == prompt_texts(tok, wl, 16)  # distinct, and the same every run
+    for p in prompts:  # never longer than asked, and within a word or two of it
+        assert wl.prompt_tokens - 8 <= len(tok(p, add_special_tokens=False)["input_ids"]) <= wl.prompt_tokens
+    obs = observation_text(tok, wl)
+    n = len(tok(obs, add_special_tokens=False)["input_ids"])
+    assert (n == 0) if not wl.obs_tokens else (wl.obs_tokens - 8 <= n <= wl.obs_tokens)
+
+
+def test_long_workload_is_about_16k_tokens():
+    assert 15_500 <= WORKLOADS["long"].episode_tokens <= 16_800
+
+
+def test_reply_reward_counts_decoded_text_per_token():
+    assert reply_reward([], 8) == 0.0
+    assert reply_reward(["", "   "], 8) == 0.0
+    assert reply_reward(["abcd" * 4], 8) == pytest.approx(0.5)  # 16 chars / (4 * 8)
+    assert reply_reward(["x" * 1000, ""], 8) == pytest.approx(0.5)  # capped at 1 per reply, then averaged
+
+
+def test_peer_env_ends_after_its_tool_calls_with_the_shared_reward(tmp_path, tok):
+    import bench.peers.peer_env  # noqa: F401  (registers PeerTool-v0)
+
+    wl = WORKLOADS["multi"].scaled(0.1)
+    texts = tmp_path / "t.json"
+    texts.write_text(json.dumps({"prompts": prompt_texts(tok, wl, 4), "observation": "red green"}))
+    env = gymnasium.make("PeerTool-v0", texts_file=str(texts), tool_calls=3, latency_s=0.0, new_tokens=4, max_turns=4)
+    obs, _ = env.reset(seed=0)
+    assert obs[0]["role"] == "user"
+    for _ in range(3):
+        obs, reward, terminated, truncated, info = env.step("some reply")
+        assert obs == [{"role": "tool", "content": "red green"}] and not terminated and info["num_tool_calls"] == 1
+    _, reward, terminated, _, _ = env.step("")
+    assert terminated and reward == pytest.approx(reply_reward(["some reply"] * 3 + [""], 4))
+    from gymnasium.utils.env_checker import check_env
+
+    check_env(env.unwrapped, skip_render_check=True)
+
+
+def test_table_prints_ratios_against_agentrl_and_the_reason_of_a_failed_run(tmp_path):
+    out = tmp_path / "peers.json"
+    mk = lambda system, setting, tput, **kw: Result(system=system, setting=setting, workload="multi",  # noqa: E731
+                                                    steps=5, trained_tokens_per_s_per_gpu=tput,
+                                                    reward_curve=[0.01, 0.05], **kw)
+    for r in [mk("agentrl", "recommended", 3000.0), mk("agentrl", "like", 1500.0), mk("trl", "recommended", 1000.0),
+              mk("trl", "like", None, status="oom", reason="CUDA out of memory. Tried to allocate 9 GiB")]:
+        write_result(r, out)
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["agentrl", "agentrl", "trl", "trl"]
+    text = table(rows)
+    trl_row = next(line for line in text.splitlines() if line.startswith("multi") and " trl " in line and "ok" in line)
+    assert "3.00×, 1.50×" in trl_row
+    assert "oom: CUDA out of memory" in text
+    md = table(rows, markdown=True)
+    assert md.splitlines()[0].startswith("| workload |") and md.count("\n") == 5
+
+
+class _Recorder:
+    def __init__(self, renderer):
+        self.renderer, self.calls = renderer, []
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, **kw):
+        self.calls.append(dict(max_tokens=max_tokens, **kw))
+        ids = self.renderer.encode("hello")[:max_tokens]
+        return GenerationResult(ids, [-0.1] * len(ids), [0] * len(ids), "length")
+
+
+@pytest.mark.parametrize("min_new", [0, 6, 500])
+def test_min_new_tokens_reaches_the_engine_and_never_exceeds_the_turns_budget(tok, min_new):
+    import bench.peers.peer_env  # noqa: F401
+
+    renderer = ChatRenderer(tok)
+    client = _Recorder(renderer)
+    env = gymnasium.make("agentrl/Calculator-v0")
+    cfg = RolloutConfig(max_new_tokens=12, min_new_tokens=min_new, max_turns=2, max_total_tokens=4096)
+    anyio.run(lambda: run_episode(env, renderer, client, seed=0, cfg=cfg, episode_id="e"))
+    assert client.calls
+    for call in client.calls:
+        assert call.get("min_tokens", 0) == min(min_new, call["max_tokens"])
+        assert ("min_tokens" in call) == bool(min_new)  # engines without the keyword keep working at 0
+
+
+def test_min_new_tokens_is_a_config_field_that_refuses_negatives():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert load_config(root / "configs" / "quickstart.yaml", ["rollout.min_new_tokens=5"]).rollout.min_new_tokens == 5
+    with pytest.raises(Exception, match="min_new_tokens"):
+        load_config(root / "configs" / "quickstart.yaml", ["rollout.min_new_tokens=-1"])
