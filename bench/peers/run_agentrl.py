@@ -43,7 +43,7 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
         "rollout.temperature=1.0", "rollout.top_p=1.0", f"rollout.max_new_tokens={wl.new_tokens}",
         f"rollout.min_new_tokens={wl.new_tokens}", f"rollout.max_turns={wl.tool_calls + 1}",
         f"rollout.max_total_tokens={max_len}", f"engine.max_model_len={max_len}",
-        f"engine.max_num_seqs={min(512, wl.group_size * wl.prompts_per_step * 2)}",
+        f"engine.max_num_seqs={min(256, wl.group_size * wl.prompts_per_step * 2)}", "engine.enforce_eager=auto",
         f"replay.max_staleness={0 if setting == 'like' else 2}", f"replay.groups_per_step={wl.prompts_per_step}",
         f"replay.capacity={4 * wl.prompts_per_step}",
         f"learner.lr={args.lr}", "loss.clip_low=0.2", "loss.clip_high=0.28",
