@@ -30,7 +30,8 @@ for step in "$@"; do
       grep "^RESULT" "$OUT/${system}-${workload}.log" | cut -c1-400
       [ $src = 0 ] || { echo "$step exited $src"; tail -30 "$OUT/${system}-${workload}.log"; rc=1; }
       # anything a killed run left on the GPU would skew the next one
-      pkill -9 -f "ray::" 2>/dev/null; python3 -c "import ray; ray.shutdown()" 2>/dev/null; sleep 2 ;;
+      # (bracketed patterns: pkill -f must not match this script's own command line)
+      for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done; sleep 3 ;;
     *) echo "peers: unknown step '$step'"; rc=2 ;;
   esac
 done

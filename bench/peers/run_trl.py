@@ -57,8 +57,13 @@ def as_dataset(rows: list[dict]):
     return Dataset(pa.Table.from_pylist(rows), fingerprint="peer-harness-prompts")
 
 
-def make_reward(new_tokens: int):
-    def harness_reward(prompts, completions, **_):
+def make_reward(new_tokens: int, completion_tokens: list[int]):
+    """The shared reward; also records the tokens of each batch's completions, tool answers included
+    (TRL's own `num_tokens` counts only the model's tokens of a completion)."""
+
+    def harness_reward(prompts, completions, completion_ids=None, **_):
+        if completion_ids is not None:
+            completion_tokens.append(sum(len(ids) for ids in completion_ids))
         out = []
         for completion in completions:
             if isinstance(completion, str):
@@ -115,6 +120,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
     rows = [{"prompt": [{"role": "user", "content": prompts[i % len(prompts)]}]} for i in range(wl.prompts_per_step * steps)]
     stamps: list[float] = []
     log_rows: list[dict] = []
+    completion_tokens: list[int] = []  # per generation batch (= per optimizer step here)
     timings: dict[str, list[float]] = {}
     original = profiling.ProfilingContext._log_metrics
 
@@ -134,7 +140,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
     profiling.ProfilingContext._log_metrics = record
     t0 = time.perf_counter()
     try:
-        trainer = GRPOTrainer(model=model, reward_funcs=make_reward(wl.new_tokens), args=cfg,
+        trainer = GRPOTrainer(model=model, reward_funcs=make_reward(wl.new_tokens, completion_tokens), args=cfg,
                               train_dataset=as_dataset(rows), processing_class=tok, tools=tools or None,
                               callbacks=[Stamp()])
         t0 = time.perf_counter()
@@ -149,15 +155,17 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
     if stamps:
         walls = [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
         seen = [lg.get("num_tokens", 0.0) for lg in log_rows]
-        trained = [b - a for a, b in zip([0.0, *seen[:-1]], seen)]
         gen = [lg.get("completions/mean_length", 0.0) * total for lg in log_rows]
+        # prompt + model tokens (TRL's num_tokens), plus the tool answers' tokens inside each completion
+        trained = [b - a + max(0.0, c - g) for a, b, c, g in
+                   zip([0.0, *seen[:-1]], seen, completion_tokens + [0] * len(seen), gen)]
         summary = timed_summary(walls, trained, gen, args.warmup)
         for k, v in summary.items():
             setattr(res, k, v)
         syncs = timings.get("sync_weights", [])[args.warmup:]
         res.weight_sync_s = sum(syncs) / len(syncs) if syncs else None
         res.reward_curve = [round(lg.get("reward", 0.0), 4) for lg in log_rows]
-        res.episode_tokens = (seen[-1] / (total * len(seen))) if seen else None
+        res.episode_tokens = (sum(trained) / (total * len(trained))) if trained else None
         res.extra["step_walls_s"] = [round(w, 3) for w in walls]
         res.extra["generate_s"] = [round(x, 3) for x in timings.get("generate", [])]
         res.extra["tool_calls_per_episode"] = [lg.get("tools/call_frequency") for lg in log_rows]
