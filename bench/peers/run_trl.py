@@ -167,7 +167,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
         res.reward_curve = [round(lg.get("reward", 0.0), 4) for lg in log_rows]
         res.episode_tokens = (sum(trained) / (total * len(trained))) if trained else None
         res.extra["step_walls_s"] = [round(w, 3) for w in walls]
-        res.extra["generate_s"] = [round(x, 3) for x in timings.get("generate", [])]
+        res.extra["generate_s"] = [round(x, 3) for k, v in timings.items() if k.endswith("generate") for x in v]
         res.extra["tool_calls_per_episode"] = [lg.get("tools/call_frequency") for lg in log_rows]
         res.extra["config"] = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": total // per_device,
                                "gradient_checkpointing": cfg.gradient_checkpointing,
