@@ -16,7 +16,14 @@ from agentrl.chat import ChatRenderer
 from agentrl.config import RolloutConfig, load_config
 from agentrl.engines.vllm_engine import GenerationResult
 from agentrl.rollout import run_episode
-from bench.peers.common import WORKLOADS, Result, observation_text, prompt_texts, reply_reward, write_result
+from bench.peers.common import (
+    WORKLOADS,
+    Result,
+    observation_text,
+    prompt_texts,
+    reply_reward,
+    write_result,
+)
 from bench.peers.table import table
 
 
@@ -69,7 +76,7 @@ def test_peer_env_ends_after_its_tool_calls_with_the_shared_reward(tmp_path, tok
 
 def test_table_prints_ratios_against_agentrl_and_the_reason_of_a_failed_run(tmp_path):
     out = tmp_path / "peers.json"
-    mk = lambda system, setting, tput, **kw: Result(system=system, setting=setting, workload="multi",  # noqa: E731
+    mk = lambda system, setting, tput, **kw: Result(system=system, setting=setting, workload="multi",
                                                     steps=5, trained_tokens_per_s_per_gpu=tput,
                                                     reward_curve=[0.01, 0.05], **kw)
     for r in [mk("agentrl", "recommended", 3000.0), mk("agentrl", "like", 1500.0), mk("trl", "recommended", 1000.0),

@@ -29,8 +29,19 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["WORKLOADS", "Workload", "GpuSampler", "Result", "make_model", "prompt_texts", "observation_text",
-           "reply_reward", "lookup_tool", "write_result", "pinned_versions"]
+__all__ = [
+    "WORKLOADS",
+    "GpuSampler",
+    "Result",
+    "Workload",
+    "lookup_tool",
+    "make_model",
+    "observation_text",
+    "pinned_versions",
+    "prompt_texts",
+    "reply_reward",
+    "write_result",
+]
 
 # The versions the harness was written against and measured with; the runners refuse others.
 PINNED = {"trl": "1.16.0", "verl": "0.9.1", "vllm": "0.26.0"}
@@ -62,7 +73,7 @@ class Workload:
 
     def scaled(self, factor: float) -> Workload:
         """A smaller copy for CPU checks of the harness itself (same shape, fewer tokens)."""
-        s = lambda n: max(1, int(round(n * factor)))  # noqa: E731
+        s = lambda n: max(1, int(round(n * factor)))
         return replace(self, prompt_tokens=s(self.prompt_tokens), new_tokens=s(self.new_tokens),
                        prompts_per_step=max(2, s(self.prompts_per_step)), group_size=max(2, s(self.group_size)),
                        obs_tokens=s(self.obs_tokens) if self.obs_tokens else 0,
@@ -129,7 +140,7 @@ def _text_of_tokens(tokenizer: Any, rng: random.Random, num_tokens: int, words: 
         text = nxt
 
 
-_WORDS = "alpha beta gamma delta red green blue seven eight nine apples books coins left right".split()
+_WORDS = ["alpha", "beta", "gamma", "delta", "red", "green", "blue", "seven", "eight", "nine", "apples", "books", "coins", "left", "right"]
 
 
 def prompt_texts(tokenizer: Any, workload: Workload, num: int, seed: int = 0) -> list[str]:

@@ -15,8 +15,8 @@ import time
 from typing import Any
 
 import gymnasium
-
 from agentrl.envs.base import TextEnv, Turn
+
 from bench.peers.common import reply_reward
 
 

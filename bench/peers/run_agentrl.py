@@ -23,8 +23,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.peers.common import (WORKLOADS, GpuSampler, Result, make_model, observation_text,  # noqa: E402
-                                pinned_versions, prompt_texts, timed_summary, write_result)
+from bench.peers.common import (
+    WORKLOADS,
+    GpuSampler,
+    Result,
+    make_model,
+    observation_text,
+    pinned_versions,
+    prompt_texts,
+    timed_summary,
+    write_result,
+)
 
 ENV_ID = "bench.peers.peer_env:PeerTool-v0"
 

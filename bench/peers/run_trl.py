@@ -21,8 +21,6 @@ Settings:
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 import traceback
@@ -30,9 +28,20 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from bench.peers.common import (PINNED, WORKLOADS, GpuSampler, Result, lookup_tool, make_model,  # noqa: E402
-                                observation_text, pinned_versions, prompt_texts, reply_reward, timed_summary,
-                                write_result)
+from bench.peers.common import (
+    PINNED,
+    WORKLOADS,
+    GpuSampler,
+    Result,
+    lookup_tool,
+    make_model,
+    observation_text,
+    pinned_versions,
+    prompt_texts,
+    reply_reward,
+    timed_summary,
+    write_result,
+)
 
 
 def always_a_tool_call(tokenizer) -> None:
@@ -79,11 +88,10 @@ def make_reward(new_tokens: int, completion_tokens: list[int]):
 
 def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], observation: str, setting: str) -> Result:
     import torch
-    from transformers import AutoTokenizer, TrainerCallback
-
     import trl
-    import trl.extras.profiling as profiling
+    from transformers import AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    from trl.extras import profiling
 
     res = Result(system="trl", setting=setting, workload=wl.name, workload_spec=wl.__dict__.copy(),
                  versions=pinned_versions("trl", "accelerate", "datasets"))

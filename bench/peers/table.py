@@ -51,7 +51,7 @@ def table(rows: list[dict], markdown: bool = False) -> str:
         lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         return "\n".join(lines + ["| " + " | ".join(c.replace("|", "/") for c in row) + " |" for row in out])
     widths = [max(len(h), *(len(row[i]) for row in out)) if out else len(h) for i, h in enumerate(head)]
-    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    fmt = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths))
     return "\n".join([fmt(head), *(fmt(row) for row in out)])
 
 
