@@ -24,7 +24,8 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[s
     _explicit_ray_auth_mode(cfg)
     from agentrl.actors.runtime_env import build_runtime_env
     from agentrl.env_ids import check_env
-    from agentrl.trainer import Trainer, resolve_model_path
+    from agentrl.models import resolve_model_path
+    from agentrl.trainer import Trainer
 
     # Mistakes in the env or the runtime env fail here, before the model is made, SFT or Ray start.
     check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)

@@ -23,41 +23,19 @@ import ray
 
 from agentrl.config import Config, ConfigError
 from agentrl.metrics import MetricsLogger
+from agentrl.models import resolve_model_path as _resolve_model_path
 from agentrl.refit import resolve_transport
 from agentrl.rollout import summarize
 
-__all__ = ["Trainer", "resolve_model_path"]
+__all__ = ["Trainer"]
 
 
-def resolve_model_path(cfg: Config) -> str:
-    """The model directory to start from; bootstraps the tiny model if asked. Raises ConfigError
-    before any actor starts when the path is missing."""
-    path = Path(cfg.model.path)
-    if not (path / "config.json").is_file():
-        if cfg.model.bootstrap_tiny:
-            from agentrl.tiny import bootstrap_tiny
-
-            bootstrap_tiny(path, seed=cfg.seed, family=cfg.model.family, **cfg.model.tiny.model_dump())
-        else:
-            raise ConfigError(
-                f"model.path: '{path}' is not a Hugging Face model directory (no config.json). "
-                "Point it at a local checkpoint, or set model.bootstrap_tiny=true to create a tiny model there."
-            )
-    elif cfg.model.bootstrap_tiny:
-        from agentrl.tiny import tiny_stamp
-
-        stamp = tiny_stamp(path) or {}
-        made = stamp.get("family")
-        if made is not None and made != cfg.model.family:
-            raise ConfigError(f"model.family: {cfg.model.family!r}, but model.path '{path}' holds a tiny {made!r} "
-                              "model made earlier; point model.path at another directory (e.g. "
-                              f"model.path=.cache/tiny-{cfg.model.family})")
-        steps = stamp.get("induction", {}).get("steps", 0)
-        if stamp and steps != cfg.model.tiny.induction_steps:
-            raise ConfigError(f"model.tiny.induction_steps: {cfg.model.tiny.induction_steps}, but model.path '{path}' "
-                              f"holds a tiny model made earlier with {steps}; point model.path at another directory "
-                              "or delete it to make the model again")
-    return str(path)
+def __getattr__(name: str):
+    if name == "resolve_model_path":  # moved below the driver; the old path keeps working
+        warnings.warn("agentrl.trainer.resolve_model_path moved to agentrl.models.resolve_model_path",
+                      DeprecationWarning, stacklevel=2)
+        return _resolve_model_path
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Trainer:
@@ -76,7 +54,7 @@ class Trainer:
         self.cfg = cfg
         check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
         self.runtime_env = build_runtime_env(cfg)
-        self.model_path = model_path or resolve_model_path(cfg)
+        self.model_path = model_path or _resolve_model_path(cfg)
         self.resume = resume
         self.progress = progress
         self.run_dir = Path(cfg.run_dir)

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from agentrl.chat import ChatRenderer
 from agentrl.sft import build_demonstrations, digit_tokens
 from agentrl.learners.hf_forward import packed_token_logprobs
-from agentrl.learners.torch_learner import load_hf_model
+from agentrl.models import load_hf_model
 from agentrl.packing import make_microbatches, pack_sequences
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=".cache/tiny-model")

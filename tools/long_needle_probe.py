@@ -30,7 +30,7 @@ def probe(model_path: str, env_kwargs: dict[str, Any], episodes: int, seed_offse
     from transformers import AutoTokenizer
 
     from agentrl.chat import ChatRenderer
-    from agentrl.learners.torch_learner import load_hf_model
+    from agentrl.models import load_hf_model
     from agentrl.sft import build_demonstrations
     from agentrl.tool_calls import build_tool_parser
 
