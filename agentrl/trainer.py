@@ -338,7 +338,8 @@ class Trainer:
         # A step in flight: (its batch, its learner call or None, when it was asked for).
         pending: tuple[Any, Any, float] | None = None
         prev_end = t_start
-        with TrainProgress(cfg.train.num_steps, start=self.step, enabled=self.progress) as bar:
+        # a bar on a terminal; plain lines with --no-progress or when output goes to a file or a pipe
+        with TrainProgress(cfg.train.num_steps, start=self.step, mode="auto" if self.progress else "lines") as bar:
             while True:
                 if pending is None:
                     if not may_start(self.step):

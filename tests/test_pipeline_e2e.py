@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import ConfigError, load_config
+from agentrl.progress import parse_progress_line
 
 pytestmark = pytest.mark.slow
 
@@ -130,6 +131,15 @@ def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     proc.wait(timeout=120)
     first = [r for r in read_rows(run_dir) if "train/loss" in r]
     assert first and first[-1]["step"] < steps_total, "the run finished before it could be interrupted"
+    # --no-progress: plain lines while it trains (a file is not a terminal), read back from the log
+    lines = [p for p in map(parse_progress_line, log.read_text().splitlines()) if p]
+    assert lines and lines[0]["step"] == 1 and all(p["total"] == steps_total for p in lines), log.read_text()[-3000:]
+    assert {"reward", "tok/s", "stale", "eta"} <= set(lines[0])
+    assert [p["step"] for p in lines] == sorted({p["step"] for p in lines})
+    logged = {r["step"]: r for r in first}
+    for p in lines:
+        assert p["reward"] == pytest.approx(logged[p["step"]]["rollout/reward"], abs=0.0051)
+        assert p["stale"] == logged[p["step"]]["replay/staleness_max"]
     assert proc.returncode is not None, log.read_text()[-3000:]
     k = int(latest.read_text().strip().split("_")[1])  # the checkpoint --resume starts from
     assert k >= 2
@@ -151,6 +161,8 @@ def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, out
     resumed = [r for r in read_rows(run_dir)[n_rows:] if "train/loss" in r]
     assert [r["step"] for r in resumed] == list(range(k + 1, steps_total + 1))  # continued, not restarted
+    lines = [p for p in map(parse_progress_line, out.splitlines()) if p]  # a pipe: plain lines too
+    assert lines[0]["step"] == k + 1 and lines[-1]["step"] == steps_total and lines[-1]["eta"] == "0:00:00", out
     state, at_end = adam_steps(run_dir / "checkpoints" / f"step_{steps_total:06d}")
     assert state["version"] == steps_total
     n_end = stepped([r for r in first if r["step"] <= k] + resumed)
