@@ -30,6 +30,7 @@ __all__ = [
     "KLConfig",
     "LearnerConfig",
     "LossConfig",
+    "MetricsConfig",
     "MegatronConfig",
     "ModelConfig",
     "TinyModelConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "RolloutConfig",
     "SFTConfig",
     "TrainConfig",
+    "WandbConfig",
     "apply_overrides",
     "load_config",
     "resolve_fast_options",
@@ -509,6 +511,39 @@ class ClusterConfig(Section):
     its engines) before stopping with an error that says what the cluster lacks."""
 
 
+class WandbConfig(Section):
+    enabled: bool = False
+    """Log the run to Weights & Biases too (needs the `wandb` extra: `pip install 'agentrl[wandb]'`):
+    every metric row of metrics.jsonl at its learner step, the held-out evaluation (eval_before/
+    at step 0, eval_after/ at the last step), the resolved config, and summary.json as the W&B
+    run summary."""
+    project: str = "agentrl"
+    """W&B project."""
+    name: str | None = None
+    """W&B run name (None: the last part of `run_dir`)."""
+    tags: list[str] = Field(default_factory=list)
+    """W&B run tags."""
+    entity: str | None = None
+    """W&B entity (team or user); None: the logged-in user's default."""
+    mode: Literal["online", "offline"] = "online"
+    """offline: W&B writes the run under RUN_DIR/wandb only (upload later with `wandb sync`);
+    the WANDB_MODE environment variable, when set, wins."""
+
+    @model_validator(mode="after")
+    def _unused(self) -> WandbConfig:
+        if not self.enabled and self.model_fields_set - {"enabled"}:
+            keys = ", ".join(f"metrics.wandb.{k}" for k in sorted(self.model_fields_set - {"enabled"}))
+            warnings.warn(f"{keys} has no effect: metrics.wandb.enabled is false", stacklevel=2)
+        return self
+
+
+class MetricsConfig(Section):
+    tensorboard: bool = True
+    """Write TensorBoard events under RUN_DIR/tensorboard (metrics.jsonl is always written)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases logging, off by default."""
+
+
 class Config(Section):
     run_dir: str = "runs/default"
     """Where metrics (JSONL, TensorBoard), plots, summary and checkpoints of the run go."""
@@ -529,6 +564,7 @@ class Config(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":

@@ -30,6 +30,10 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[s
     # Mistakes in the env or the runtime env fail here, before the model is made, SFT or Ray start.
     check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)
     build_runtime_env(cfg)
+    if cfg.metrics.wandb.enabled:
+        from agentrl.metrics import require_wandb
+
+        require_wandb()
     model_path = resolve_model_path(cfg)
     summary: dict[str, Any] = {}
     if cfg.sft.enabled:

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from agentrl.config import Config, ConfigError
-from agentrl.metrics import MetricsLogger
+from agentrl.metrics import MetricsLogger, require_wandb
 from agentrl.models import resolve_model_path as _resolve_model_path
 from agentrl.refit import resolve_transport
 from agentrl.rollout import summarize
@@ -53,6 +53,8 @@ class Trainer:
 
         self.cfg = cfg
         check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
+        if cfg.metrics.wandb.enabled:
+            require_wandb()
         self.runtime_env = build_runtime_env(cfg)
         self.model_path = model_path or _resolve_model_path(cfg)
         self.resume = resume
@@ -287,7 +289,8 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        logger = MetricsLogger(self.run_dir)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb,
+                               config=cfg.model_dump(mode="json"), resume=self.resume)
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         summary: dict[str, Any] = {}
         try:
@@ -306,6 +309,7 @@ class Trainer:
                 logger.log(self.step, after)
                 summary.update(after)
             del runs
+            logger.summary(summary)
         finally:
             logger.close()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))

@@ -1,5 +1,6 @@
 """End to end on CPU: real Ray actors, a real vLLM engine, the torch learner, refits."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -56,7 +57,10 @@ def test_missing_model_path_fails_before_any_actor(tmp_path):
 def e2e_run(tiny_model_dir, tmp_path_factory):
     """Three learner steps with a refit after each, on 2 rollout actors and 1 vLLM engine."""
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "eval.num_episodes=8"))
+    # W&B in its offline mode (no network): test_wandb_offline_holds_the_real_run reads what it wrote
+    wandb = ["metrics.wandb.enabled=true", "metrics.wandb.mode=offline", "metrics.wandb.tags=[e2e]"]
+    cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "eval.num_episodes=8",
+                                          *(wandb if importlib.util.find_spec("wandb") else [])))
     return {"cfg": cfg, "run_dir": run_dir, **train_and_score(cfg)}
 
 
@@ -79,6 +83,29 @@ def test_train_three_steps_with_refit(e2e_run):
     assert steps[-1]["replay/token_version_max"] >= 1, "no token was sampled with refit weights"
     assert any("eval_before/success" in r for r in rows) and any("eval_after/success" in r for r in rows)
     assert (Path(e2e_run["run_dir"]) / "checkpoints" / "latest").is_file()
+
+
+def test_wandb_offline_holds_the_real_run(e2e_run):
+    """The same numbers as metrics.jsonl at the same steps, held-out eval, config and summary."""
+    pytest.importorskip("wandb", reason="the wandb extra")
+    from tests.wandb_files import offline_runs, read_offline_run
+
+    [run_file] = offline_runs(e2e_run["run_dir"])
+    run = read_offline_run(run_file)
+    assert run["exited"] and run["tags"] == ["e2e"] and run["name"] == "run"
+    assert run["config"]["replay"]["max_staleness"] == e2e_run["cfg"].replay.max_staleness
+    by_step: dict[int, dict] = {}
+    for row in run["history"]:
+        by_step.setdefault(row["_step"], {}).update(row)
+    rows = read_rows(e2e_run["run_dir"])
+    for row in rows:
+        for key, value in row.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)):
+                assert by_step[row["step"]][key] == pytest.approx(value), (row["step"], key)
+    assert "eval_before/success" in by_step[0] and "eval_after/success" in by_step[3]
+    summary = json.loads((Path(e2e_run["run_dir"]) / "summary.json").read_text())
+    assert run["summary"]["eval_after/success"] == pytest.approx(summary["eval_after/success"])
+    assert run["summary"]["final/train/loss"] == pytest.approx(summary["final/train/loss"])
 
 
 def test_plot_renders_real_run(e2e_run):
