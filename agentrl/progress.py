@@ -16,8 +16,6 @@ from typing import Any, Literal, TextIO
 
 __all__ = ["TrainProgress", "format_duration", "parse_progress_line"]
 
-LINE_FIELDS = ("reward", "success", "tool", "tok/s", "stale", "loss")
-
 
 def format_duration(seconds: float) -> str:
     """``H:MM:SS``.
