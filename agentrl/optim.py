@@ -26,14 +26,15 @@ def plateau_schedule(opt: "torch.optim.Optimizer", total: int) -> "torch.optim.l
     """Learning rate over ``total`` steps: 20 steps of warm-up, a long plateau (a copy skill is
     learned late, in a sudden drop), then a linear decay over the last 30 % to 5 %.
 
-    >>> import torch
-    >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
-    >>> sched = plateau_schedule(opt, 100)
-    >>> lrs = []
-    >>> for _ in range(100):
-    ...     lrs.append(opt.param_groups[0]["lr"]); opt.step(); sched.step()
-    >>> lrs[0], lrs[19], lrs[50], round(lrs[99], 3)
-    (0.05, 1.0, 1.0, 0.05)
+    Example:
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        >>> sched = plateau_schedule(opt, 100)
+        >>> lrs = []
+        >>> for _ in range(100):
+        ...     lrs.append(sched.get_last_lr()[0]); opt.step(); sched.step()
+        >>> lrs[0], lrs[19], lrs[50], round(lrs[99], 3)
+        (0.05, 1.0, 1.0, 0.05)
     """
     import torch
 
