@@ -105,7 +105,7 @@ class Trainer:
         replay_name = f"agentrl-replay-{uuid.uuid4().hex[:12]}"  # engines find it by name (actors/engine.py)
         self.replay = ReplayActor.options(num_cpus=0, scheduling_strategy=here, name=replay_name).remote(
             cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step,
-            wait_for_stragglers=cfg.replay.wait_for_stragglers,
+            wait_for_stragglers=cfg.replay.wait_for_stragglers, task_order=cfg.train.deterministic,
         )
         co = cfg.colocate
         self.transport = resolve_transport(cfg.refit.transport, engine_on_gpu=cfg.engine.num_gpus > 0,
