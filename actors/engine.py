@@ -58,11 +58,12 @@ class EngineActor:
         return self.engine.version
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
-                       stop_token_ids=None, ignore_eos: bool = False, min_tokens: int = 0):
+                       stop_token_ids=None, ignore_eos: bool = False, seed: int | None = None,
+                       min_tokens: int = 0):
         await self._ready()
         return await self.engine.generate(
             prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, seed=seed, min_tokens=min_tokens,
         )
 
     async def score(self, token_ids: list[int]) -> list[float]:

@@ -16,8 +16,9 @@ __all__ = ["ReplayActor"]
 @ray.remote
 class ReplayActor:
     def __init__(self, capacity: int, max_staleness: int, groups_per_step: int, *,
-                 wait_for_stragglers: bool = True) -> None:
-        self.queue = ReplayQueue(capacity, max_staleness, groups_per_step, wait_for_stragglers=wait_for_stragglers)
+                 wait_for_stragglers: bool = True, task_order: bool = False) -> None:
+        self.queue = ReplayQueue(capacity, max_staleness, groups_per_step, wait_for_stragglers=wait_for_stragglers,
+                                 task_order=task_order)
         self._cond: asyncio.Condition | None = None
         self._staged: tuple[int, list[Any]] = (0, [])  # (version, [ObjectRef]) wrapped: not resolved
 

@@ -37,11 +37,11 @@ class Router:
     def end_episode(self, episode_id: str) -> None:
         self.sticky.pop(episode_id, None)
 
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, min_tokens=0):
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, seed=None, min_tokens=0):
         i = self.pick(episode_id)
         self.load[i] += 1
         try:
-            return await self.engines[i].generate.remote(prompt_ids, max_tokens, temperature, top_p,
+            return await self.engines[i].generate.remote(prompt_ids, max_tokens, temperature, top_p, seed=seed,
                                                          min_tokens=min_tokens)
         finally:
             self.load[i] -= 1

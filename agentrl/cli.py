@@ -28,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("train", help="async RL training from a config")
     _config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+    p.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar: step, reward, tokens/s, staleness, "
+                   "ETA, one per step at most every 5 s (the default when output is not a terminal)")
 
     p = sub.add_parser("sft", help="supervised warm start on an env's expert demonstrations")
     _config_args(p)

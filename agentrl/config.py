@@ -30,6 +30,7 @@ __all__ = [
     "KLConfig",
     "LearnerConfig",
     "LossConfig",
+    "MetricsConfig",
     "MegatronConfig",
     "ModelConfig",
     "TinyModelConfig",
@@ -39,6 +40,7 @@ __all__ = [
     "RolloutConfig",
     "SFTConfig",
     "TrainConfig",
+    "WandbConfig",
     "apply_overrides",
     "load_config",
     "resolve_fast_options",
@@ -156,6 +158,11 @@ class RolloutConfig(Section):
     with a marker saying how much was cut. None: no cap beyond the env's own."""
     seed_offset: int = 0
     """Training tasks use env seeds `seed_offset + k`; eval seeds live elsewhere."""
+    sampling_seed: int | None = None
+    """None: requests draw their random numbers from the engine's generator, so a request's tokens
+    depend on which other requests the engine batches with it. An int: every request samples with
+    its own seed, derived from this, the episode (task seed and index) and the turn, so the same
+    prompt on the same weights samples the same tokens at any load (`train.deterministic` sets it)."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
     tool_parser: str = "auto"
@@ -446,6 +453,13 @@ class TrainConfig(Section):
     """Where checkpoints go; defaults to RUN_DIR/checkpoints."""
     checkpoint_interval: int = Field(0, ge=0)
     """Learner steps between checkpoints; 0 = only at the end."""
+    deterministic: bool = False
+    """The same seed trains on the same batches whatever the machine's speed: strictly on-policy
+    (sets `replay.max_staleness` to 0), one rollout actor (`rollout.num_actors` 1, so task seeds
+    follow admission order), each request sampled with its own seed (`rollout.sampling_seed`, the
+    run's seed unless set) and every batch in task order. Costs the async speed-up: generation and
+    training no longer overlap (`bench/async_vs_sync.py`: async made 3.3-3.4x the trajectories/s
+    of on-policy on 2 CPU cores with slow tools)."""
     overlap_steps: Literal["auto", True, False] = "auto"
     """Queue the next learner step before the current one ends: its batch (taken from the replay
     queue for the version the learner will then hold, so the staleness bound is unchanged) and
@@ -513,6 +527,39 @@ class ClusterConfig(Section):
     its engines) before stopping with an error that says what the cluster lacks."""
 
 
+class WandbConfig(Section):
+    enabled: bool = False
+    """Log the run to Weights & Biases too (needs the `wandb` extra: `pip install 'agentrl[wandb]'`):
+    every metric row of metrics.jsonl at its learner step, the held-out evaluation (eval_before/
+    at step 0, eval_after/ at the last step), the resolved config, and summary.json as the W&B
+    run summary."""
+    project: str = "agentrl"
+    """W&B project."""
+    name: str | None = None
+    """W&B run name (None: the last part of `run_dir`)."""
+    tags: list[str] = Field(default_factory=list)
+    """W&B run tags."""
+    entity: str | None = None
+    """W&B entity (team or user); None: the logged-in user's default."""
+    mode: Literal["online", "offline"] = "online"
+    """offline: W&B writes the run under RUN_DIR/wandb only (upload later with `wandb sync`);
+    the WANDB_MODE environment variable, when set, wins."""
+
+    @model_validator(mode="after")
+    def _unused(self) -> WandbConfig:
+        if not self.enabled and self.model_fields_set - {"enabled"}:
+            keys = ", ".join(f"metrics.wandb.{k}" for k in sorted(self.model_fields_set - {"enabled"}))
+            warnings.warn(f"{keys} has no effect: metrics.wandb.enabled is false", stacklevel=2)
+        return self
+
+
+class MetricsConfig(Section):
+    tensorboard: bool = True
+    """Write TensorBoard events under RUN_DIR/tensorboard (metrics.jsonl is always written)."""
+    wandb: WandbConfig = Field(default_factory=WandbConfig)
+    """Weights & Biases logging, off by default."""
+
+
 class Config(Section):
     run_dir: str = "runs/default"
     """Where metrics (JSONL, TensorBoard), plots, summary and checkpoints of the run go."""
@@ -533,9 +580,20 @@ class Config(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
     @model_validator(mode="after")
     def _cross_checks(self) -> "Config":
+        if self.train.deterministic:
+            changed = [f"{key} {old} -> {new}" for key, old, new in (
+                ("replay.max_staleness", self.replay.max_staleness, 0),
+                ("rollout.num_actors", self.rollout.num_actors, 1)) if old != new]
+            if changed:
+                warnings.warn(f"train.deterministic: {', '.join(changed)}", stacklevel=2)
+            object.__setattr__(self.replay, "max_staleness", 0)
+            object.__setattr__(self.rollout, "num_actors", 1)
+            if self.rollout.sampling_seed is None:
+                object.__setattr__(self.rollout, "sampling_seed", self.seed)
         mc = self.learner.megatron
         if self.colocate.enabled and "cuda_graphs" in mc._auto:
             # The graphs' activation pools stay allocated beside the engine: at 1.5B on one H100 they

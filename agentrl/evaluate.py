@@ -75,13 +75,12 @@ async def _evaluate(model: str, env_id: str, num_episodes: int, seed_offset: int
 def evaluate_model(model: str, env_id: str, *, num_episodes: int = 64, seed_offset: int = 1_000_000,
                    temperature: float = 0.0, **rollout_overrides: Any) -> dict[str, float]:
     """Evaluate ``model`` (HF directory) on ``num_episodes`` seeds of ``env_id`` starting at ``seed_offset``."""
-    from pathlib import Path
-
     from agentrl.config import ConfigError
     from agentrl.env_ids import check_env
+    from agentrl.models import is_model_dir
     from agentrl.tool_calls import tool_parser_error
 
-    if not (Path(model) / "config.json").is_file():
+    if not is_model_dir(model):
         raise FileNotFoundError(f"--model: '{model}' is not a Hugging Face model directory (no config.json)")
     check_env(env_id, key="--env")  # before the engine starts
     error = tool_parser_error(rollout_overrides.get("tool_parser", "auto"), key="--tool-parser")

@@ -24,11 +24,16 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[s
     _explicit_ray_auth_mode(cfg)
     from agentrl.actors.runtime_env import build_runtime_env
     from agentrl.env_ids import check_env
-    from agentrl.trainer import Trainer, resolve_model_path
+    from agentrl.models import resolve_model_path
+    from agentrl.trainer import Trainer
 
     # Mistakes in the env or the runtime env fail here, before the model is made, SFT or Ray start.
     check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)
     build_runtime_env(cfg)
+    if cfg.metrics.wandb.enabled:
+        from agentrl.metrics import require_wandb
+
+        require_wandb()
     model_path = resolve_model_path(cfg)
     summary: dict[str, Any] = {}
     if cfg.sft.enabled:

@@ -57,10 +57,12 @@ class ReplayQueue:
         groups_per_step: groups in one learner batch.
         wait_for_stragglers: ``take`` waits for an in-flight group that its step would make stale,
             instead of dropping that group later.
+        task_order: a batch lists its groups by ``group_id`` (the task seed) rather than by arrival
+            (``train.deterministic``: the order of arrival depends on timing).
     """
 
     def __init__(self, capacity: int, max_staleness: int, groups_per_step: int, *,
-                 wait_for_stragglers: bool = True) -> None:
+                 wait_for_stragglers: bool = True, task_order: bool = False) -> None:
         if capacity < groups_per_step:
             raise ValueError(
                 f"replay.capacity ({capacity}) must hold at least one batch (replay.groups_per_step = {groups_per_step})"
@@ -69,6 +71,7 @@ class ReplayQueue:
         self.max_staleness = max_staleness
         self.groups_per_step = groups_per_step
         self.wait_for_stragglers = wait_for_stragglers
+        self.task_order = task_order
         self.weights_version = 0
         self.tickets: Counter[int] = Counter()  # in-flight groups by the version they were admitted under
         self.queue: deque[TrajectoryGroup] = deque()
@@ -147,6 +150,8 @@ class ReplayQueue:
         # dropped more often than short ones.
         chosen = {id(g) for g in sorted(fresh, key=lambda g: g.min_version)[:num_groups]}
         batch = [g for g in fresh if id(g) in chosen]
+        if self.task_order:
+            batch.sort(key=lambda g: g.group_id)
         self.queue = deque(g for g in fresh if id(g) not in chosen)
         self.stats.consumed += len(batch)
         for g in batch:

@@ -7,6 +7,7 @@ rendered as a token delta and appended (loss mask 0). Past turns are never re-re
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -16,8 +17,8 @@ from agentrl.chat import ChatRenderer
 from agentrl.config import RolloutConfig
 from agentrl.trajectory import Trajectory, TrajectoryGroup
 
-__all__ = ["EngineClient", "EpisodeFailed", "cap_tool_outputs", "run_episode", "run_group", "summarize",
-           "widen_env_threads"]
+__all__ = ["EngineClient", "EpisodeFailed", "cap_tool_outputs", "request_seed", "run_episode", "run_group",
+           "summarize", "widen_env_threads"]
 
 
 class EngineClient(Protocol):
@@ -26,7 +27,20 @@ class EngineClient(Protocol):
     async def generate(
         self, prompt_ids: list[int], *, max_tokens: int, temperature: float, top_p: float, episode_id: str
     ) -> Any:  # GenerationResult: token_ids, logprobs, versions, finish_reason
+        """Sample one turn. With ``rollout.sampling_seed`` set it is also passed ``seed=`` (an int):
+        the request's own sampling seed."""
         ...
+
+
+def request_seed(sampling_seed: int, episode_id: str, turn: int) -> int:
+    """The sampling seed of one request: a function of the run's ``rollout.sampling_seed``, the
+    episode (its id holds the task seed and the episode's index in its group) and the turn.
+
+    >>> request_seed(0, "g7-e1", 0) == request_seed(0, "g7-e1", 0) != request_seed(0, "g7-e1", 1)
+    True
+    """
+    digest = hashlib.sha256(f"{sampling_seed}:{episode_id}:{turn}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 class EpisodeFailed(RuntimeError):
@@ -135,10 +149,13 @@ async def run_episode(
                                 f"{cfg.max_total_tokens}, engine.max_model_len = {max_model_len})")
         for turn in range(cfg.max_turns):
             budget = min(cfg.max_new_tokens, limit - len(ep.ids))
+            # rollout.sampling_seed: the request's own seed (its tokens then do not depend on its batch-mates)
+            seeded = {} if cfg.sampling_seed is None else {"seed": request_seed(cfg.sampling_seed, episode_id, turn)}
             try:
                 extra = {"min_tokens": min(cfg.min_new_tokens, budget)} if cfg.min_new_tokens else {}
                 out = await client.generate(
-                    ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id, **extra
+                    ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id,
+                    **seeded, **extra
                 )
             except Exception as exc:  # the engine died or refused: drop the episode, count it
                 raise EpisodeFailed(f"engine error: {type(exc).__name__}: {str(exc)[:200]}") from exc

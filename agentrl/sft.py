@@ -24,15 +24,19 @@ if TYPE_CHECKING:
     from agentrl.config import Config
     from agentrl.tool_calls import ToolCallParser
 
-__all__ = ["build_demonstrations", "digit_tokens", "plateau_schedule", "run_sft"]
+__all__ = ["build_demonstrations", "digit_tokens", "run_sft"]
 
 
-def plateau_schedule(opt, total: int):
-    """Learning rate over ``total`` steps: 20 steps of warm-up, a long plateau (a copy skill is
-    learned late, in a sudden drop), then a linear decay over the last 30 % to 5 %."""
-    import torch
+def __getattr__(name: str):
+    if name == "plateau_schedule":  # moved beside the optimizer code; the old path keeps working
+        import warnings
 
-    return torch.optim.lr_scheduler.LambdaLR(opt, lambda i: min(1.0, (i + 1) / 20, max(0.05, (total - i) / (0.3 * total))))
+        from agentrl.optim import plateau_schedule
+
+        warnings.warn("agentrl.sft.plateau_schedule moved to agentrl.optim.plateau_schedule", DeprecationWarning,
+                      stacklevel=2)
+        return plateau_schedule
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def digit_tokens(tokenizer) -> "torch.Tensor":
@@ -53,8 +57,6 @@ def build_demonstrations(
 ) -> list[tuple[list[int], list[int]]]:
     """(token ids, loss mask) of the expert's episodes on ``seeds``; with ``tool_parser``, the
     expert writes its calls in that parser's format and the env reads them with it."""
-    import inspect
-
     import gymnasium as gym
 
     import agentrl.envs  # noqa: F401
@@ -107,16 +109,13 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     import torch
     from transformers import AutoTokenizer
 
-    import torch
-
     from agentrl.chat import ChatRenderer
+    from agentrl.env_ids import check_env
     from agentrl.learners.hf_forward import packed_token_logprobs
-    from agentrl.learners.torch_learner import _TOKENIZER_FILES, _to_device, load_hf_model
+    from agentrl.models import copy_tokenizer_files, load_hf_model, resolve_model_path
+    from agentrl.optim import adamw, plateau_schedule
     from agentrl.packing import make_microbatches, pack_sequences
     from agentrl.tool_calls import build_tool_parser
-    from agentrl.trainer import resolve_model_path
-
-    from agentrl.env_ids import check_env
 
     check_env(cfg.env.id, cfg.env.kwargs, need_expert=True)  # before the model loads
     sc = cfg.sft
@@ -140,7 +139,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     model = load_hf_model(base, cfg.model.dtype if device.type == "cpu" else "float32", device)
     model.train()
     digits = digit_tokens(renderer.tokenizer).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=sc.lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = adamw(model.parameters(), sc.lr)
     lengths = [len(ids) for ids, _ in demos]
     # A demonstration longer than batch_tokens is a batch of its own (the budget of the others stays).
     fits = [i for i, n in enumerate(lengths) if n <= sc.batch_tokens]
@@ -157,7 +156,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
             fields = {"loss_mask": [demos[i][1] for i in batch]}
             if sc.observation_loss_weight:  # the env's tokens (not the first: it has no prediction)
                 fields["env_mask"] = [[0] + [1 - m for m in demos[i][1][1:]] for i in batch]
-            packed = _to_device(pack_sequences([demos[i][0] for i in batch], fields), device)
+            packed = pack_sequences([demos[i][0] for i in batch], fields).to(device)
             logp = packed_token_logprobs(model, packed, chunk_size=cfg.packing.logprob_chunk_size)
             weight = packed.fields["loss_mask"].reshape(-1).float()
             if sc.observation_loss_weight:
@@ -177,9 +176,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
-    for name in _TOKENIZER_FILES:
-        if (Path(base) / name).exists():
-            shutil.copy(Path(base) / name, tmp / name)
+    copy_tokenizer_files(base, tmp)
     (tmp / "agentrl_sft.json").write_text(json.dumps({"fingerprint": fp, "base": base, "steps": step,
                                                       "seconds": time.perf_counter() - t0}))
     shutil.rmtree(out, ignore_errors=True)

@@ -237,15 +237,15 @@ def pretrain_induction(model, tokenizer, *, steps: int, lr: float = 3e-3, batch_
     import torch
 
     from agentrl.learners.hf_forward import packed_token_logprobs
+    from agentrl.optim import adamw, plateau_schedule
     from agentrl.packing import pack_sequences
-    from agentrl.sft import plateau_schedule
 
     special = set(tokenizer.all_special_ids)
     token_ids = [i for i in range(len(tokenizer)) if i not in special]
     rng = random.Random(f"induction:{seed}")
     torch.manual_seed(seed)
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    opt = adamw(model.parameters(), lr)
     sched = plateau_schedule(opt, steps)
     t0, recent = time.perf_counter(), []
     for step in range(steps):

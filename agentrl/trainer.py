@@ -22,42 +22,20 @@ from typing import Any
 import ray
 
 from agentrl.config import Config, ConfigError
-from agentrl.metrics import MetricsLogger
+from agentrl.metrics import MetricsLogger, require_wandb
+from agentrl.models import resolve_model_path as _resolve_model_path
 from agentrl.refit import resolve_transport
 from agentrl.rollout import summarize
 
-__all__ = ["Trainer", "resolve_model_path"]
+__all__ = ["Trainer"]
 
 
-def resolve_model_path(cfg: Config) -> str:
-    """The model directory to start from; bootstraps the tiny model if asked. Raises ConfigError
-    before any actor starts when the path is missing."""
-    path = Path(cfg.model.path)
-    if not (path / "config.json").is_file():
-        if cfg.model.bootstrap_tiny:
-            from agentrl.tiny import bootstrap_tiny
-
-            bootstrap_tiny(path, seed=cfg.seed, family=cfg.model.family, **cfg.model.tiny.model_dump())
-        else:
-            raise ConfigError(
-                f"model.path: '{path}' is not a Hugging Face model directory (no config.json). "
-                "Point it at a local checkpoint, or set model.bootstrap_tiny=true to create a tiny model there."
-            )
-    elif cfg.model.bootstrap_tiny:
-        from agentrl.tiny import tiny_stamp
-
-        stamp = tiny_stamp(path) or {}
-        made = stamp.get("family")
-        if made is not None and made != cfg.model.family:
-            raise ConfigError(f"model.family: {cfg.model.family!r}, but model.path '{path}' holds a tiny {made!r} "
-                              "model made earlier; point model.path at another directory (e.g. "
-                              f"model.path=.cache/tiny-{cfg.model.family})")
-        steps = stamp.get("induction", {}).get("steps", 0)
-        if stamp and steps != cfg.model.tiny.induction_steps:
-            raise ConfigError(f"model.tiny.induction_steps: {cfg.model.tiny.induction_steps}, but model.path '{path}' "
-                              f"holds a tiny model made earlier with {steps}; point model.path at another directory "
-                              "or delete it to make the model again")
-    return str(path)
+def __getattr__(name: str):
+    if name == "resolve_model_path":  # moved below the driver; the old path keeps working
+        warnings.warn("agentrl.trainer.resolve_model_path moved to agentrl.models.resolve_model_path",
+                      DeprecationWarning, stacklevel=2)
+        return _resolve_model_path
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Trainer:
@@ -75,8 +53,10 @@ class Trainer:
 
         self.cfg = cfg
         check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
+        if cfg.metrics.wandb.enabled:
+            require_wandb()
         self.runtime_env = build_runtime_env(cfg)
-        self.model_path = model_path or resolve_model_path(cfg)
+        self.model_path = model_path or _resolve_model_path(cfg)
         self.resume = resume
         self.progress = progress
         self.run_dir = Path(cfg.run_dir)
@@ -125,7 +105,7 @@ class Trainer:
         replay_name = f"agentrl-replay-{uuid.uuid4().hex[:12]}"  # engines find it by name (actors/engine.py)
         self.replay = ReplayActor.options(num_cpus=0, scheduling_strategy=here, name=replay_name).remote(
             cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step,
-            wait_for_stragglers=cfg.replay.wait_for_stragglers,
+            wait_for_stragglers=cfg.replay.wait_for_stragglers, task_order=cfg.train.deterministic,
         )
         co = cfg.colocate
         self.transport = resolve_transport(cfg.refit.transport, engine_on_gpu=cfg.engine.num_gpus > 0,
@@ -309,7 +289,8 @@ class Trainer:
     # -- the loop ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         cfg = self.cfg
-        logger = MetricsLogger(self.run_dir)
+        logger = MetricsLogger(self.run_dir, tensorboard=cfg.metrics.tensorboard, wandb=cfg.metrics.wandb,
+                               config=cfg.model_dump(mode="json"), resume=self.resume)
         (self.run_dir / "config.json").write_text(cfg.model_dump_json(indent=2))
         summary: dict[str, Any] = {}
         try:
@@ -328,6 +309,7 @@ class Trainer:
                 logger.log(self.step, after)
                 summary.update(after)
             del runs
+            logger.summary(summary)
         finally:
             logger.close()
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -360,7 +342,8 @@ class Trainer:
         # A step in flight: (its batch, its learner call or None, when it was asked for).
         pending: tuple[Any, Any, float] | None = None
         prev_end = t_start
-        with TrainProgress(cfg.train.num_steps, start=self.step, enabled=self.progress) as bar:
+        # a bar on a terminal; plain lines with --no-progress or when output goes to a file or a pipe
+        with TrainProgress(cfg.train.num_steps, start=self.step, mode="auto" if self.progress else "lines") as bar:
             while True:
                 if pending is None:
                     if not may_start(self.step):

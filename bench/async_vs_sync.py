@@ -56,7 +56,7 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
     run_dir = workdir / f"staleness{staleness}"
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
         f"run_dir={run_dir}", f"model.path={model}", "sft.enabled=false",
-        "env.id=bench.slow_envs:SlowCalculator-v0", f"replay.max_staleness={staleness}",
+        "env.id=tools.slow_envs:SlowCalculator-v0", f"replay.max_staleness={staleness}",
         # one rollout actor whose concurrency is bounded only by admission ((4 + 1) x groups_per_step
         # groups ahead of the learner): a second actor process cost CPU the engine needed
         "replay.capacity=32", "rollout.num_actors=1", f"rollout.max_concurrent_groups={5 * groups_per_step}",

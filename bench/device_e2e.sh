@@ -5,7 +5,7 @@
 #                                    # colocated engine + Megatron learner logprob agreement
 #   bash bench/device_e2e.sh train   # agentrl train configs/gpu_1x.yaml (TRAIN_ARGS: extra overrides)
 #   bash bench/device_e2e.sh bench   # bench/gpu_e2e.py (BENCH_ARGS: its options)
-#   bash bench/device_e2e.sh profile # bench/learner_step.py: one learner step's wall vs GPU time (PROFILE_ARGS)
+#   bash bench/device_e2e.sh profile # tools/learner_step.py: one learner step's wall vs GPU time (PROFILE_ARGS)
 # Steps can be combined: bash bench/device_e2e.sh tests train. Everything lands in $OUT.
 set -o pipefail
 [ -d /tmp/site/vllm ] || { echo "device_e2e: /tmp/site/vllm is missing: run the three carry calls first"; exit 3; }
@@ -31,7 +31,7 @@ for step in "$@"; do
            cp "$run_dir/metrics.jsonl" "$OUT/train_metrics.jsonl" 2>/dev/null ;;
     bench) python3 bench/gpu_e2e.py --out "$OUT/gpu_e2e.json" ${BENCH_ARGS:-} 2>&1 | grep -v "Warning\|warn(" \
              | tee "$OUT/bench.log" || rc=1 ;;
-    profile) python3 -m torch.distributed.run --nproc-per-node 1 bench/learner_step.py --out "$OUT/learner_step.json" \
+    profile) python3 -m torch.distributed.run --nproc-per-node 1 tools/learner_step.py --out "$OUT/learner_step.json" \
              ${PROFILE_ARGS:-} 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/profile.log" || rc=1 ;;
     *) echo "device_e2e: unknown step '$step' (tests | train | bench | profile)"; rc=2 ;;
   esac

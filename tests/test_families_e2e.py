@@ -37,7 +37,7 @@ def test_expert_demonstrations_call_the_tool_in_the_familys_format(family, tiny_
 def test_model_family_key_bootstraps_that_family(tmp_path):
     from agentrl.config import ConfigError
     from agentrl.tiny import tiny_family
-    from agentrl.trainer import resolve_model_path
+    from agentrl.models import resolve_model_path
 
     cfg = load_config(None, [f"model.path={tmp_path / 'm'}", "model.bootstrap_tiny=true", "model.family=llama3"])
     path = resolve_model_path(cfg)

@@ -1,4 +1,4 @@
-"""Megatron learner on GPUs (device machine): each test runs bench/megatron_check.py under torchrun.
+"""Megatron learner on GPUs (device machine): each test runs tools/megatron_check.py under torchrun.
 
 * logprobs of a converted model (Qwen2, Qwen3 with q/k norms, Llama with an untied head) equal
   HF's within bf16 tolerance on packed input;
@@ -23,7 +23,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 def _run(nproc: int, *args: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           str(ROOT / "bench" / "megatron_check.py"), *args]
+           str(ROOT / "tools" / "megatron_check.py"), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
 

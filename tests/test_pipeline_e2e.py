@@ -1,5 +1,6 @@
 """End to end on CPU: real Ray actors, a real vLLM engine, the torch learner, refits."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import ConfigError, load_config
+from agentrl.progress import parse_progress_line
 
 pytestmark = pytest.mark.slow
 
@@ -55,7 +57,10 @@ def test_missing_model_path_fails_before_any_actor(tmp_path):
 def e2e_run(tiny_model_dir, tmp_path_factory):
     """Three learner steps with a refit after each, on 2 rollout actors and 1 vLLM engine."""
     run_dir = tmp_path_factory.mktemp("e2e") / "run"
-    cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "eval.num_episodes=8"))
+    # W&B in its offline mode (no network): test_wandb_offline_holds_the_real_run reads what it wrote
+    wandb = ["metrics.wandb.enabled=true", "metrics.wandb.mode=offline", "metrics.wandb.tags=[e2e]"]
+    cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "eval.num_episodes=8",
+                                          *(wandb if importlib.util.find_spec("wandb") else [])))
     return {"cfg": cfg, "run_dir": run_dir, **train_and_score(cfg)}
 
 
@@ -78,6 +83,29 @@ def test_train_three_steps_with_refit(e2e_run):
     assert steps[-1]["replay/token_version_max"] >= 1, "no token was sampled with refit weights"
     assert any("eval_before/success" in r for r in rows) and any("eval_after/success" in r for r in rows)
     assert (Path(e2e_run["run_dir"]) / "checkpoints" / "latest").is_file()
+
+
+def test_wandb_offline_holds_the_real_run(e2e_run):
+    """The same numbers as metrics.jsonl at the same steps, held-out eval, config and summary."""
+    pytest.importorskip("wandb", reason="the wandb extra")
+    from tests.wandb_files import offline_runs, read_offline_run
+
+    [run_file] = offline_runs(e2e_run["run_dir"])
+    run = read_offline_run(run_file)
+    assert run["exited"] and run["tags"] == ["e2e"] and run["name"] == "run"
+    assert run["config"]["replay"]["max_staleness"] == e2e_run["cfg"].replay.max_staleness
+    by_step: dict[int, dict] = {}
+    for row in run["history"]:
+        by_step.setdefault(row["_step"], {}).update(row)
+    rows = read_rows(e2e_run["run_dir"])
+    for row in rows:
+        for key, value in row.items():
+            if key not in ("step", "time") and isinstance(value, (int, float)):
+                assert by_step[row["step"]][key] == pytest.approx(value), (row["step"], key)
+    assert "eval_before/success" in by_step[0] and "eval_after/success" in by_step[3]
+    summary = json.loads((Path(e2e_run["run_dir"]) / "summary.json").read_text())
+    assert run["summary"]["eval_after/success"] == pytest.approx(summary["eval_after/success"])
+    assert run["summary"]["final/train/loss"] == pytest.approx(summary["final/train/loss"])
 
 
 def test_plot_renders_real_run(e2e_run):
@@ -130,6 +158,15 @@ def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     proc.wait(timeout=120)
     first = [r for r in read_rows(run_dir) if "train/loss" in r]
     assert first and first[-1]["step"] < steps_total, "the run finished before it could be interrupted"
+    # --no-progress: plain lines while it trains (a file is not a terminal), read back from the log
+    lines = [p for p in map(parse_progress_line, log.read_text().splitlines()) if p]
+    assert lines and lines[0]["step"] == 1 and all(p["total"] == steps_total for p in lines), log.read_text()[-3000:]
+    assert {"reward", "tok/s", "stale", "eta"} <= set(lines[0])
+    assert [p["step"] for p in lines] == sorted({p["step"] for p in lines})
+    logged = {r["step"]: r for r in first}
+    for p in lines:
+        assert p["reward"] == pytest.approx(logged[p["step"]]["rollout/reward"], abs=0.0051)
+        assert p["stale"] == logged[p["step"]]["replay/staleness_max"]
     assert proc.returncode is not None, log.read_text()[-3000:]
     k = int(latest.read_text().strip().split("_")[1])  # the checkpoint --resume starts from
     assert k >= 2
@@ -151,6 +188,8 @@ def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     assert proc.returncode == 0, out
     resumed = [r for r in read_rows(run_dir)[n_rows:] if "train/loss" in r]
     assert [r["step"] for r in resumed] == list(range(k + 1, steps_total + 1))  # continued, not restarted
+    lines = [p for p in map(parse_progress_line, out.splitlines()) if p]  # a pipe: plain lines too
+    assert lines[0]["step"] == k + 1 and lines[-1]["step"] == steps_total and lines[-1]["eta"] == "0:00:00", out
     state, at_end = adam_steps(run_dir / "checkpoints" / f"step_{steps_total:06d}")
     assert state["version"] == steps_total
     n_end = stepped([r for r in first if r["step"] <= k] + resumed)
@@ -249,3 +288,37 @@ def test_broadcast_refit_transport_on_cpu(tiny_model_dir, tmp_path):
     assert mean_abs_diff(r["before"], r["after"]) > 1e-3, "the broadcast refit did not change the engine's logprobs"
     agree = mean_abs_diff(r["learner"], r["after"])
     assert agree < 1e-3, f"engine and learner logprobs differ after a broadcast refit (mean abs {agree:.2e})"
+
+
+def test_deterministic_runs_train_on_the_same_batches_at_any_concurrency(tiny_model_dir, tmp_path):
+    """train.deterministic: two runs of one seed whose engine sees other batch-mates and other timing
+    (one group generated at a time vs two at once) consume the same batches and end with bit-identical
+    weights."""
+    import ray
+    from safetensors.torch import load_file
+
+    from agentrl.trainer import Trainer
+
+    def run(name, *extra):
+        cfg = load_config(None, e2e_overrides(tiny_model_dir, tmp_path / name, "train.num_steps=2",
+                                              "rollout.temperature=1.0", *extra))
+        start_ray()
+        trainer = Trainer(cfg, progress=False)
+        try:
+            trainer.run()
+        finally:
+            trainer.shutdown()
+            ray.shutdown()
+        steps = [r for r in read_rows(cfg.run_dir) if "train/loss" in r]
+        weights = load_file(str(Path(cfg.run_dir) / "checkpoints" / "step_000002" / "learner" / "model" / "model.safetensors"))
+        return steps, weights
+
+    with pytest.warns(UserWarning, match="train.deterministic"):
+        runs = [run(f"det{c}", "train.deterministic=true", f"rollout.max_concurrent_groups={c}") for c in (1, 4)]
+    (steps_a, w_a), (steps_b, w_b) = runs
+    assert [r["replay/staleness_max"] for r in steps_a + steps_b] == [0, 0, 0, 0]
+    for a, b in zip(steps_a, steps_b):
+        for key in ("train/loss", "rollout/reward", "rollout/tokens", "train/grad_norm"):
+            if key in a:
+                assert a[key] == b[key], (a["step"], key, a[key], b[key])
+    assert w_a.keys() == w_b.keys() and all(w_a[k].equal(w_b[k]) for k in w_a), "the weights differ"

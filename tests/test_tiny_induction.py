@@ -29,7 +29,7 @@ def test_a_random_model_learns_to_copy_a_repeated_block(tmp_path):
     import torch
 
     from agentrl.learners.hf_forward import packed_token_logprobs
-    from agentrl.learners.torch_learner import load_hf_model
+    from agentrl.models import load_hf_model
     from agentrl.packing import pack_sequences
     from agentrl.tiny import bootstrap_tiny, pretrain_induction
     from transformers import AutoTokenizer
@@ -60,7 +60,7 @@ def test_a_cached_tiny_model_made_with_other_induction_steps_is_refused(tmp_path
 
     from agentrl.config import ConfigError, load_config
     from agentrl.tiny import tiny_stamp
-    from agentrl.trainer import resolve_model_path
+    from agentrl.models import resolve_model_path
 
     args = [f"model.path={tmp_path / 'm'}", "model.bootstrap_tiny=true", "model.tiny.hidden_size=32",
             "model.tiny.num_heads=1", "model.tiny.num_kv_heads=1"]

@@ -1,5 +1,5 @@
-"""Teacher-forced probe of a LongNeedle-v0 policy (an SFT or RL checkpoint in HF format): does it
-copy the code word where the answer needs it? A minute on CPU; run it before any RL run.
+"""Question: does a LongNeedle-v0 policy copy the code word where the answer needs it?
+A teacher-forced probe of an SFT or RL checkpoint in HF format; a minute on CPU; run it before any RL run.
 
 For held-out episodes rendered as chat exactly as rollouts are (the demonstrator's calls, the
 pages as tool outputs, the answer ``The code word is W.``), it reports at the answer word:
@@ -30,7 +30,7 @@ def probe(model_path: str, env_kwargs: dict[str, Any], episodes: int, seed_offse
     from transformers import AutoTokenizer
 
     from agentrl.chat import ChatRenderer
-    from agentrl.learners.torch_learner import load_hf_model
+    from agentrl.models import load_hf_model
     from agentrl.sft import build_demonstrations
     from agentrl.tool_calls import build_tool_parser
 

@@ -1,4 +1,5 @@
-"""Diagnose a LongRecall-v0 or LongNeedle-v0 policy: held-out greedy success by the page that
+"""Question: does a LongRecall-v0 or LongNeedle-v0 policy use what it read pages earlier?
+Held-out greedy success by the page that
 holds the asked fact (the needle), trajectory lengths, and the same episodes with the facts of all
 pages but the last removed (``--cut``), which shows whether success comes from content read
 thousands of tokens earlier.

@@ -1,4 +1,5 @@
-"""Where a sandboxed run's CPU time goes: CPU per run of ``print(6 * 7)``, old and new backend, and the
+"""Question: where does a sandboxed run's CPU time go?
+CPU per run of ``print(6 * 7)``, old and new backend, and the
 new one with one part taken out (or put back) at a time, interleaved in rounds so that all see the same load.
 
 CPU is read from a cgroup-v1 ``cpuacct`` group that this process and everything it starts belong to (the

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import random
-import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,8 @@ from agentrl.learners.common import (
     with_signal,
 )
 from agentrl.learners.hf_forward import packed_token_logprobs
+from agentrl.models import copy_tokenizer_files, load_hf_model  # load_hf_model: also public here, as before
+from agentrl.optim import adamw
 
 if TYPE_CHECKING:
     from agentrl.config import Config
@@ -31,16 +32,6 @@ if TYPE_CHECKING:
 
 __all__ = ["TorchLearner", "load_hf_model"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-
-
-def load_hf_model(path: str | Path, dtype: str = "float32", device: str | torch.device = "cpu"):
-    """Load a causal LM in Hugging Face format with SDPA attention."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=_DTYPES[dtype], attn_implementation="sdpa")
-    return model.to(device)
 
 
 class TorchLearner:
@@ -69,7 +60,7 @@ class TorchLearner:
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         lc = self.cfg.learner
-        return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=lc.weight_decay, betas=tuple(lc.betas))
+        return adamw(self.model.parameters(), lr, weight_decay=lc.weight_decay, betas=tuple(lc.betas))
 
     @property
     def temperature(self) -> float:
@@ -77,7 +68,7 @@ class TorchLearner:
         return t if t > 0 else 1.0
 
     def _logprobs(self, model: torch.nn.Module, packed) -> torch.Tensor:
-        packed = _to_device(packed, self.device)
+        packed = packed.to(self.device)
         return packed_token_logprobs(
             model, packed, temperature=self.temperature, chunk_size=self.cfg.packing.logprob_chunk_size
         )
@@ -110,7 +101,7 @@ class TorchLearner:
             # a separate no-grad pass would repeat the same forward (test_torch_learner.py).
             prox_lp = logp.detach() if cfg.loss.proximal == "recompute" else None
             loss, metrics = microbatch_loss(
-                logp, prox_lp, _to_device(packed, self.device), cfg.loss,
+                logp, prox_lp, packed.to(self.device), cfg.loss,
                 num_tokens=num_tokens, num_sequences=num_sequences, ref_logprobs=ref_lp,
             )
             loss.backward()
@@ -160,9 +151,7 @@ class TorchLearner:
         path = Path(path)
         (path / "model").mkdir(parents=True, exist_ok=True)
         self.model.save_pretrained(path / "model", safe_serialization=True)
-        for name in _TOKENIZER_FILES:
-            if (self.model_path / name).exists():
-                shutil.copy(self.model_path / name, path / "model" / name)
+        copy_tokenizer_files(self.model_path, path / "model")
         torch.save(
             {
                 "optimizer": self.optimizer.state_dict(),
@@ -186,16 +175,3 @@ class TorchLearner:
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])
 
-
-def _to_device(packed, device: torch.device):
-    if device.type == "cpu":
-        return packed
-    import dataclasses
-
-    return dataclasses.replace(
-        packed,
-        input_ids=packed.input_ids.to(device),
-        position_ids=packed.position_ids.to(device),
-        cu_seqlens=packed.cu_seqlens.to(device),
-        fields={k: v.to(device) for k, v in packed.fields.items()},
-    )

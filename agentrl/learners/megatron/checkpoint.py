@@ -16,17 +16,16 @@ from __future__ import annotations
 
 import json
 import random
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from agentrl.models import copy_tokenizer_files
+
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "generation_config.json")
 
 
 def _optimizers(opt: Any) -> list[Any]:
@@ -71,9 +70,7 @@ def save_checkpoint(learner: Any, path: Path) -> None:
         learner.hf_config.save_pretrained(path / "model")
         save_file({k: v.contiguous() for k, v in weights.items()}, str(path / "model" / "model.safetensors"),
                   metadata={"format": "pt"})
-        for name in _TOKENIZER_FILES:
-            if (learner.model_path / name).exists():
-                shutil.copy(learner.model_path / name, path / "model" / name)
+        copy_tokenizer_files(learner.model_path, path / "model")
         (path / "learner_state.json").write_text(json.dumps(
             {"version": learner.version, "layout": learner.layout.describe()}, indent=2))
     dist.barrier()

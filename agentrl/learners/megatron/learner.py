@@ -43,6 +43,7 @@ from agentrl.learners.megatron.parallel import (
     init_parallel_state,
 )
 from agentrl.learners.megatron.weights import gather_hf_weights, load_hf_weights, read_hf_state_dict
+from agentrl.models import torch_dtype
 from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, padded_length, unpack
 
 if TYPE_CHECKING:
@@ -51,7 +52,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MegatronLearner"]
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _PAD_TO = 128  # total packed length multiple: steady shapes for compiled kernels
 
 
@@ -117,7 +117,7 @@ class MegatronLearner:
         self.hf_config = hf_config
         self.shape = ModelShape.from_hf_config(hf_config)
         # Megatron trains in bf16/fp16 with fp32 master weights; model.dtype float32 (the CPU default) -> bf16.
-        self.dtype = _DTYPES[cfg.model.dtype] if cfg.model.dtype != "float32" else torch.bfloat16
+        self.dtype = torch_dtype(cfg.model.dtype) if cfg.model.dtype != "float32" else torch.bfloat16
         self.model = self._build()
         hf_state = None if random_init else read_hf_state_dict(self.model_path)
         if hf_state is not None:

@@ -1,4 +1,5 @@
-"""GPU correctness checks of the Megatron learner (run under torchrun; used by tests/test_megatron_gpu.py).
+"""Question: does the Megatron learner compute what Hugging Face does (logprobs, a train step, save/load, TP)?
+GPU correctness checks, run under torchrun by tests/test_megatron_gpu.py.
 
 Modes (all on a random model written to ``--workdir`` as an HF checkpoint, bf16; Qwen2 unless
 ``--family qwen3`` or ``llama``):
@@ -10,7 +11,7 @@ Modes (all on a random model written to ``--workdir`` as an HF checkpoint, bf16;
   so TP=2 can be compared with TP=1.
 
 Example:
-    torchrun --nproc-per-node 1 bench/megatron_check.py --mode hf --workdir /tmp/mc --out /tmp/hf.json
+    torchrun --nproc-per-node 1 tools/megatron_check.py --mode hf --workdir /tmp/mc --out /tmp/hf.json
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Envs for bench/async_vs_sync.py: Calculator whose tool calls take a long-tailed simulated
-latency (lognormal, clipped to [0.1, 2.0] s), as real tools (search, code execution, APIs) do.
-Imported by Ray workers through the id form "bench.slow_envs:SlowCalculator-v0"."""
+"""Question: what does async training buy when tools are slow?
+The env that bench/async_vs_sync.py asks it with: Calculator whose tool calls take a long-tailed simulated latency (lognormal, clipped
+to [0.1, 2.0] s), as real tools (search, code execution, APIs) do. Imported by Ray workers through
+the id form "tools.slow_envs:SlowCalculator-v0"."""
 
 import random
 

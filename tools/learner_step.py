@@ -1,4 +1,4 @@
-"""Where a whole Megatron learner step goes, at the GPU loop's batch shape: wall time vs GPU time.
+"""Question: where does a whole Megatron learner step go, at the GPU loop's batch shape (wall time vs GPU time)?
 
 `bench/gpu_e2e.py` measures the loop; this looks inside one of its learner steps. A
 Qwen2.5-1.5B-shaped model (random weights), the learner built from configs/gpu_1x.yaml as the split
@@ -13,7 +13,7 @@ prompt, ``--turns`` sampled turns, tool outputs between them). It times ``train_
 * the project's ranges (micro-batch building, loss, forward/backward, optimizer, metrics) and the
   GPU idle time under each: where the GPU waits for the host.
 
-    torchrun --nproc-per-node 1 bench/learner_step.py --out learner_step.json   # device machine
+    torchrun --nproc-per-node 1 tools/learner_step.py --out learner_step.json   # device machine
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
-"""SFT copy diagnosis for the quickstart's tiny model (bench/RESULTS.md, Quickstart).
+"""Question: how fast does SFT teach the quickstart's tiny model to copy numbers (bench/RESULTS.md, Quickstart)?
 
 Trains the tiny model on Calculator demonstrations and prints, every 50 steps, per-token loss and
 the share of tokens above p=0.5 on 64 held-out tool-using demonstrations (teacher-forced), split into
 format tokens, digits of the tool call and digits of the final answer.
 
-    python bench/sft_copy_diag.py --model .cache/tiny-model --steps 600 --lr 1e-3 --numw 5
-    python bench/sft_copy_diag.py --model .cache/quickstart-sft --steps 0     # evaluate only
+    python tools/sft_copy_diag.py --model .cache/tiny-model --steps 600 --lr 1e-3 --numw 5
+    python tools/sft_copy_diag.py --model .cache/quickstart-sft --steps 0     # evaluate only
 
 --numw weights digit tokens, --callw weights tokens inside <tool_call>...</tool_call>, --guess and
 --easy are the expert's guess_prob / easy_guess_prob.
@@ -21,7 +21,7 @@ from transformers import AutoTokenizer
 from agentrl.chat import ChatRenderer
 from agentrl.sft import build_demonstrations, digit_tokens
 from agentrl.learners.hf_forward import packed_token_logprobs
-from agentrl.learners.torch_learner import load_hf_model
+from agentrl.models import load_hf_model
 from agentrl.packing import make_microbatches, pack_sequences
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=".cache/tiny-model")

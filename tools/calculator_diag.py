@@ -1,6 +1,6 @@
-"""Where a Calculator policy fails: one-step vs two-step problems, tool use, call and answer copying.
+"""Question: where does a Calculator policy fail (one-step vs two-step problems, tool use, call and answer copying)?
 
-    python bench/calculator_diag.py --model .cache/quickstart-sft [--episodes 256] [--temperature 0]
+    python tools/calculator_diag.py --model .cache/quickstart-sft [--episodes 256] [--temperature 0]
 
 Runs held-out episodes (seeds from 1,000,000, as the quickstart's evaluation) with one local vLLM
 engine and splits them by problem kind (one-step: ``n + n``, ``n - n``, ``n * n``; the rest two-step).
