@@ -74,7 +74,12 @@ class Trainer:
         from agentrl.env_ids import check_env
 
         self.cfg = cfg
-        check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
+        if cfg.agent.solve is not None:  # the agent, its scorer and tasks import: before Ray
+            from agentrl.agents import load_agent
+
+            load_agent(cfg.agent)
+        if cfg.agent.solve is None or cfg.sft.enabled:  # (SFT learns from the env's expert)
+            check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
         self.runtime_env = build_runtime_env(cfg)
         self.model_path = model_path or resolve_model_path(cfg)
         self.resume = resume
