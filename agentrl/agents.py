@@ -191,7 +191,8 @@ async def run_agent_episode(agent: Agent, endpoint: Any, task: Any, *, episode_i
                 info["loss_excluded"] = True
     if status != "failed":
         info.setdefault("success", reward >= 1.0)
-    trajs = ep.recorder.trajectories(reward, status=status, info=info, episode=episode_id, seed=seed)
+    trajs = ep.recorder.trajectories(reward, status=status, info=info, episode=episode_id, seed=seed,
+                                     num_tool_calls=ep.num_tool_calls)
     if not trajs:
         trajs = [Trajectory([], [], [], [], turn_rewards=[0.0], status="failed", env_id="agent", seed=seed,
                             info={**info, "episode": episode_id, "segment": 0, "num_segments": 0})]

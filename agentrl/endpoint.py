@@ -148,7 +148,7 @@ class EndpointEpisode:
     truncated_by: str | None = None
     error: str | None = None
     num_requests: int = 0
-    num_refused: int = 0
+    num_tool_calls: int = 0  # tool calls returned to the agent
 
 
 def _sse(obj: Any) -> str:
@@ -357,6 +357,7 @@ class AgentEndpoint:
                         {"id": f"call_{secrets.token_hex(8)}", "type": "function",
                          "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
                     finish = "tool_calls" if closed else finish
+                    ep.num_tool_calls += len(parsed.calls)
             rec.record(prep, tokens, logprobs, versions, message, closed=closed)
             return {
                 "id": f"chatcmpl-{secrets.token_hex(12)}",

@@ -253,7 +253,7 @@ class EpisodeRecorder:
         return seg
 
     def trajectories(self, reward: float, *, status: str = "ok", info: dict[str, Any] | None = None,
-                     episode: str = "", seed: int = 0) -> list[Trajectory]:
+                     episode: str = "", seed: int = 0, num_tool_calls: int = 0) -> list[Trajectory]:
         """One trajectory per segment that sampled anything, each with the episode's reward on
         its last turn. ``info["episode"]`` ties the segments of one episode together (the group
         baseline counts an episode once), ``info["segment"]`` numbers them."""
@@ -265,7 +265,7 @@ class EpisodeRecorder:
                 token_ids=list(seg.token_ids), loss_mask=list(seg.loss_mask),
                 behavior_logprobs=list(seg.behavior_logprobs), policy_versions=list(seg.policy_versions),
                 turn_spans=list(seg.turn_spans), turn_rewards=rewards, status=status,  # type: ignore[arg-type]
-                env_id="agent", seed=seed,
+                env_id="agent", seed=seed, num_tool_calls=num_tool_calls if k == len(segs) - 1 else 0,
                 info={**(info or {}), "episode": episode, "segment": k, "num_segments": len(segs)},
             ))
         return out
