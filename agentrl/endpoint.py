@@ -17,6 +17,7 @@ client (:class:`agentrl.rollout.EngineClient`), the rollout actor hosts it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import secrets
@@ -25,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -151,6 +153,15 @@ class EndpointEpisode:
     num_tool_calls: int = 0  # tool calls returned to the agent
 
 
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the process hosting the endpoint (a Ray worker) keeps
+    its own handling of SIGINT and SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
@@ -186,8 +197,6 @@ class AgentEndpoint:
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> str:
         """Serve on ``agent.host`` at a free port in the running event loop; returns the base URL."""
-        import uvicorn
-
         if self._task is not None:
             return self.base_url
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -196,7 +205,7 @@ class AgentEndpoint:
         port = sock.getsockname()[1]
         config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=30, limit_concurrency=None)
-        self._server = uvicorn.Server(config)
+        self._server = _QuietServer(config)
         self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():

@@ -193,3 +193,22 @@ def test_config_errors_name_the_key():
         agent_of({"solve": "tests.test_agents:loop_agnet"})
     with pytest.raises(ConfigError, match="agent.solve: module 'no_such_module_x'"):
         agent_of({"solve": "no_such_module_x:solve"})
+
+
+def test_segments_of_one_episode_count_once_in_the_baseline():
+    from agentrl.advantages import trajectory_token_advantages
+    from agentrl.config import AdvantageConfig
+    from agentrl.rollout import summarize
+    from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+    def seg(episode, k, n, reward):
+        return Trajectory([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, 0, 0], turn_spans=[(1, 3)],
+                          turn_rewards=[reward], info={"episode": episode, "segment": k, "num_segments": n})
+
+    group = TrajectoryGroup("t", [seg("a", 0, 2, 1.0), seg("a", 1, 2, 1.0), seg("b", 0, 1, 0.0)])
+    adv = trajectory_token_advantages(group, AdvantageConfig(eps=0.0))
+    # episode returns [1, 0]: mean 0.5, std 0.5 -> +1 for both segments of a, -1 for b
+    assert [a[1] for a in adv] == pytest.approx([1.0, 1.0, -1.0])
+    metrics = summarize(group.trajectories)
+    assert metrics["rollout/trajectories"] == 2.0 and metrics["rollout/segments"] == 1.5
+    assert metrics["rollout/reward"] == 0.5
