@@ -146,6 +146,7 @@ class EndpointEpisode:
     temperature: float
     recorder: EpisodeRecorder
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    slot: str = ""
     closed: bool = False
     truncated_by: str | None = None
     error: str | None = None
@@ -226,7 +227,10 @@ class AgentEndpoint:
     def open_episode(self, episode_id: str, *, temperature: float) -> EndpointEpisode:
         """A new episode with its own API key (requests with it go to this episode only)."""
         key = "agentrl-" + secrets.token_urlsafe(24)
-        ep = EndpointEpisode(episode_id, key, self.base_url, temperature, EpisodeRecorder(self.renderer))
+        slot = secrets.token_hex(6)  # the episode's own base URL: a key sent to another episode's URL is refused
+        root = self.base_url.removesuffix("/v1")
+        ep = EndpointEpisode(episode_id, key, f"{root}/e/{slot}/v1", temperature, EpisodeRecorder(self.renderer))
+        ep.slot = slot
         self.episodes[key] = ep
         return ep
 
@@ -256,14 +260,16 @@ class AgentEndpoint:
             return JSONResponse(err.body(), status_code=405)
 
         @app.get("/v1/models")
-        async def models(request: Request) -> dict[str, Any]:
-            self._episode(request)
+        @app.get("/e/{slot}/v1/models")
+        async def models(request: Request, slot: str | None = None) -> dict[str, Any]:
+            self._episode(request, slot)
             return {"object": "list", "data": [{"id": self.agent.model_name, "object": "model", "created": 0,
                                                 "owned_by": "agentrl"}]}
 
         @app.post("/v1/chat/completions")
-        async def chat(request: Request) -> Any:
-            ep = self._episode(request)
+        @app.post("/e/{slot}/v1/chat/completions")
+        async def chat(request: Request, slot: str | None = None) -> Any:
+            ep = self._episode(request, slot)
             req = await self._parse(request)
             result = await self._complete(ep, req)
             if req.stream:
@@ -273,15 +279,21 @@ class AgentEndpoint:
 
         return app
 
-    def _episode(self, request: Any) -> EndpointEpisode:
+    def _episode(self, request: Any, slot: str | None = None) -> EndpointEpisode:
+        """The episode a request belongs to: by its key, which must match the episode's base URL
+        when the request came through one (``/e/<slot>/v1``)."""
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         ep = self.episodes.get(key)
+        detail = None
         if ep is None or ep.closed:
+            detail = "no API key given" if not key else "this API key belongs to no running episode (it is " \
+                "unknown, or its episode has ended)"
+        elif slot is not None and slot != ep.slot:
+            detail = "this API key belongs to another episode than this base URL's"
+        if detail is not None:
             self.num_refused += 1
-            detail = "no API key given" if not key else "this API key belongs to no running episode (it is unknown, " \
-                "or its episode has ended)"
-            raise ApiError(401, f"{detail}; each episode's agent must use the key it was given",
+            raise ApiError(401, f"{detail}; each episode's agent must use the base URL and key it was given",
                            type="authentication_error", code="invalid_api_key")
         return ep
 

@@ -50,7 +50,7 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
     ids = renderer.prompt_ids(messages, TOOLS)
     times: dict[str, list[float]] = {"direct": [], "sdk": [], "httpx": []}
     outs = set()
-    async with httpx.AsyncClient() as hx:
+    async with httpx.AsyncClient(timeout=300) as hx:
         for k in range(n + 10):
             ep = endpoint.open_episode(f"rt{k}", temperature=0.0)
             t0 = time.perf_counter()

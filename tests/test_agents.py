@@ -206,7 +206,7 @@ def test_segments_of_one_episode_count_once_in_the_baseline():
                           turn_rewards=[reward], info={"episode": episode, "segment": k, "num_segments": n})
 
     group = TrajectoryGroup("t", [seg("a", 0, 2, 1.0), seg("a", 1, 2, 1.0), seg("b", 0, 1, 0.0)])
-    adv = trajectory_token_advantages(group, AdvantageConfig(eps=0.0))
+    adv = trajectory_token_advantages(group, AdvantageConfig(eps=1e-12))
     # episode returns [1, 0]: mean 0.5, std 0.5 -> +1 for both segments of a, -1 for b
     assert [a[1] for a in adv] == pytest.approx([1.0, 1.0, -1.0])
     metrics = summarize(group.trajectories)

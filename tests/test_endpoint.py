@@ -249,7 +249,13 @@ def test_keys_are_per_episode_and_die_with_it(served):
     with pytest.raises(openai.AuthenticationError):
         client(a).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     assert _raw(endpoint, b.api_key, GOOD).status_code == 200
+    # b's key through a's base URL (or a stale one) is refused, and writes nothing
+    c = endpoint.open_episode("key-c", temperature=1.0)
+    r = httpx.post(c.base_url + "/chat/completions", headers={"Authorization": f"Bearer {b.api_key}"}, json=GOOD)
+    assert r.status_code == 401 and "another episode" in r.json()["error"]["message"]
+    assert len(sampler.calls["key-b"]) == 2 and not sampler.calls["key-c"] and not c.recorder.segments
     endpoint.close_episode(b)
+    endpoint.close_episode(c)
 
 
 def test_prompt_over_the_budget_and_turn_limit(tiny_model_dir):
