@@ -212,3 +212,16 @@ def test_segments_of_one_episode_count_once_in_the_baseline():
     metrics = summarize(group.trajectories)
     assert metrics["rollout/trajectories"] == 2.0 and metrics["rollout/segments"] == 1.5
     assert metrics["rollout/reward"] == 0.5
+
+
+def test_agent_modules_are_shipped_to_cluster_nodes_like_env_modules(tmp_path):
+    from agentrl.actors.runtime_env import build_runtime_env
+    from agentrl.agents import load_agent
+
+    cfg = load_config(None, ["agent.solve=examples.calculator_agent:solve", "agent.tasks=tests.test_agents:tasks"])
+    load_agent(cfg.agent)
+    shipped = build_runtime_env(cfg)["py_modules"]
+    assert any(p.endswith("/examples") for p in shipped) and any(p.endswith("/tests") for p in shipped), shipped
+    (tmp_path / "t.jsonl").write_text('{"q": 1}\n')
+    cfg = load_config(None, ["agent.solve=examples.calculator_agent:solve", f"agent.tasks={tmp_path / 't.jsonl'}"])
+    assert not any("t.jsonl" in p for p in build_runtime_env(cfg)["py_modules"])  # a file path is no module
