@@ -125,15 +125,18 @@ def cut_at_stop(tokenizer_decode: Any, token_ids: list[int], stops: list[str]) -
     the one that completes it), text before it)``; None when none appears."""
     if not stops:
         return None
-    whole = tokenizer_decode(token_ids)
-    if not any(s in whole for s in stops):
-        return None
-    for k in range(1, len(token_ids) + 1):
+    def hit(k: int) -> bool:
         text = tokenizer_decode(token_ids[:k])
-        hits = [text.find(s) for s in stops if s in text]
-        if hits:
-            return k, text[:min(hits)]
-    return None
+        return any(s in text for s in stops)
+
+    if not hit(len(token_ids)):
+        return None
+    lo, hi = 1, len(token_ids)  # the shortest prefix whose text holds a stop string (a longer one still does)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
+    text = tokenizer_decode(token_ids[:lo])
+    return lo, text[:min(text.find(s) for s in stops if s in text)]
 
 
 @dataclass

@@ -281,3 +281,20 @@ def test_prompt_over_the_budget_and_turn_limit(tiny_model_dir):
     finally:
         server.run(endpoint.stop())
         server.close()
+
+
+@settings(deadline=None)
+@given(ids=st.lists(st.integers(0, 4), max_size=14), stops=st.lists(st.text("abcde", min_size=1, max_size=3), max_size=3))
+def test_cut_at_stop_finds_the_first_token_that_completes_a_stop_string(ids, stops):
+    from agentrl.endpoint import cut_at_stop
+
+    def decode(xs):
+        return "".join("abcde"[i] for i in xs)
+
+    expected = None
+    for k in range(1, len(ids) + 1):
+        text = decode(ids[:k])
+        if any(s in text for s in stops):
+            expected = (k, text[:min(text.find(s) for s in stops if s in text)])
+            break
+    assert cut_at_stop(decode, ids, stops) == expected
