@@ -225,3 +225,36 @@ def test_agent_modules_are_shipped_to_cluster_nodes_like_env_modules(tmp_path):
     (tmp_path / "t.jsonl").write_text('{"q": 1}\n')
     cfg = load_config(None, ["agent.solve=examples.calculator_agent:solve", f"agent.tasks={tmp_path / 't.jsonl'}"])
     assert not any("t.jsonl" in p for p in build_runtime_env(cfg)["py_modules"])  # a file path is no module
+
+
+def test_calculator_agent_requests_render_to_the_env_paths_tokens(tiny_model_dir):
+    """examples/calculator_agent.py's requests give the engine the same token ids as the
+    Calculator env's episodes: the prompt, and the delta after a tool call (so the two paths
+    train the same policy on the same problems)."""
+    from transformers import AutoTokenizer
+
+    from agentrl.envs.calculator import CalculatorEnv
+    from agentrl.recorder import EpisodeRecorder
+    from examples.calculator_agent import SYSTEM, TOOLS, run_tool
+    from examples.calculator_agent import tasks as agent_tasks
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    call = '<tool_call>\n{"name": "calculate", "arguments": {"expression": "12 + 30"}}\n</tool_call>'
+    for seed in range(8):
+        env = CalculatorEnv()
+        obs, info = env.reset(seed=seed)
+        env_ids = renderer.prompt_ids(obs, info["tools"])
+        task = agent_tasks(seed)
+        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task["question"]}]
+        rec = EpisodeRecorder(renderer)
+        prep = rec.prepare(messages, TOOLS)
+        assert prep.prompt_ids == env_ids
+        sampled = renderer.encode(call) + [renderer.end_of_turn_id]
+        response = {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "calculate", "arguments": '{"expression": "12 + 30"}'}}]}
+        rec.record(prep, sampled, [0.0] * len(sampled), [0] * len(sampled), response, closed=True)
+        obs2, *_ = env.step(call)
+        tool_msg = {"role": "tool", "tool_call_id": "call_1", "content": run_tool("calculate", '{"expression": "12 + 30"}')}
+        nxt = rec.prepare([*messages, response, tool_msg], TOOLS)
+        assert not nxt.new_segment
+        assert nxt.prompt_ids == env_ids + sampled + renderer.observation_delta_ids(obs2)
