@@ -49,36 +49,47 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": tasks(1)["question"]}]
     ids = renderer.prompt_ids(messages, TOOLS)
     times: dict[str, list[float]] = {"direct": [], "sdk": [], "httpx": []}
+    # CPU seconds of this process (client, endpoint and vLLM's front end; the engine core is a
+    # process of its own) per request: the endpoint's own cost, robust to a loaded machine.
+    cpu: dict[str, list[float]] = {"direct": [], "sdk": [], "httpx": []}
+    clock = time.process_time
     outs = set()
     async with httpx.AsyncClient(timeout=300) as hx:
         for k in range(n + 10):
             ep = endpoint.open_episode(f"rt{k}", temperature=0.0)
-            t0 = time.perf_counter()
+            c0, t0 = clock(), time.perf_counter()
             out = await engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0)
-            t1 = time.perf_counter()
+            c1, t1 = clock(), time.perf_counter()
             client = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
                                         http_client=openai.DefaultAsyncHttpxClient())
-            t2 = time.perf_counter()
+            c2, t2 = clock(), time.perf_counter()
             resp = await client.chat.completions.create(model="agentrl-policy", messages=messages, tools=TOOLS,
                                                         max_tokens=16)
-            t3 = time.perf_counter()
+            c3, t3 = clock(), time.perf_counter()
             endpoint.close_episode(ep)
             ep2 = endpoint.open_episode(f"rh{k}", temperature=0.0)
-            t4 = time.perf_counter()
+            c4, t4 = clock(), time.perf_counter()
             r = await hx.post(ep2.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep2.api_key}"},
                               json={"model": "agentrl-policy", "messages": messages, "tools": TOOLS, "max_tokens": 16})
-            t5 = time.perf_counter()
+            c5, t5 = clock(), time.perf_counter()
             endpoint.close_episode(ep2)
             await client.close()
             assert r.status_code == 200, r.text
             outs.add((tuple(out.token_ids), resp.usage.completion_tokens, r.json()["usage"]["completion_tokens"]))
+            if k % 10 == 9:
+                print(f"  round trip {k + 1}/{n + 10}: direct {1e3 * (t1 - t0):.1f} ms, sdk {1e3 * (t3 - t2):.1f} ms, "
+                      f"httpx {1e3 * (t5 - t4):.1f} ms", flush=True)
             if k >= 10:  # warm-up
                 times["direct"].append(t1 - t0)
                 times["sdk"].append(t3 - t2)
                 times["httpx"].append(t5 - t4)
+                cpu["direct"].append(c1 - c0)
+                cpu["sdk"].append(c3 - c2)
+                cpu["httpx"].append(c5 - c4)
     assert len({(len(o[0]), o[1], o[2]) for o in outs}) == 1, "greedy outputs differ: not equal work"
     res = {k: (statistics.median(v) * 1e3, pct(v, 0.9) * 1e3) for k, v in times.items()}
     res["tokens"] = len(next(iter(outs))[0])
+    res["cpu"] = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
     return res
 
 
@@ -149,7 +160,8 @@ async def main(args) -> None:
     print(f"\nround trip, same greedy request ({rt['tokens']} tokens out), p50 / p90 ms:")
     for k in ("direct", "httpx", "sdk"):
         print(f"  {k:8s} {rt[k][0]:7.2f} / {rt[k][1]:7.2f}")
-    print(f"  endpoint adds (p50): httpx {rt['httpx'][0] - rt['direct'][0]:+.2f} ms, "
+    print("  CPU ms of this process per request (p50): " + ", ".join(f"{k} {v:.2f}" for k, v in rt["cpu"].items()))
+    print(f"  endpoint adds (p50 wall): httpx {rt['httpx'][0] - rt['direct'][0]:+.2f} ms, "
           f"openai SDK {rt['sdk'][0] - rt['direct'][0]:+.2f} ms")
     tp = await throughput(endpoint, engine, renderer, parser, cfg, args.groups)
     print("\nthroughput at equal work (Calculator, same seeds, temperature "
