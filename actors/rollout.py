@@ -67,8 +67,15 @@ class RolloutActor:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.renderer = ChatRenderer(tokenizer)
         self.tool_parser = build_tool_parser(cfg.rollout.tool_parser, model_path, tokenizer)
+        self.agent = None
+        self._endpoint = None
         try:  # the driver imported it; a node of a cluster has it only through the runtime_env
-            env_name = import_env_module(cfg.env.id)
+            if cfg.agent.solve is not None:
+                from agentrl.agents import load_agent
+
+                self.agent = load_agent(cfg.agent)
+            else:
+                env_name = import_env_module(cfg.env.id)
         except ConfigError as err:
             raise ConfigError(f"rollout actor {actor_index} on node {ray.util.get_node_ip_address()}: {err} "
                               "(other nodes get the module through cluster.ship_env_module or "
@@ -80,19 +87,47 @@ class RolloutActor:
             return env
 
         self.make_env = make_env
-        self.make_env().close()  # fail fast on a bad env id or kwargs
+        if self.agent is None:
+            self.make_env().close()  # fail fast on a bad env id or kwargs
         self._stop = False
         self._tasks = itertools.count()
         self.num_groups = 0
         self.num_failed_groups = 0
+
+    async def endpoint(self):
+        """This worker's OpenAI-compatible endpoint (agent mode), started on first use."""
+        if self._endpoint is None:
+            from agentrl.endpoint import AgentEndpoint
+
+            self._endpoint = AgentEndpoint(self.renderer, self.tool_parser, self.router, rollout=self.cfg.rollout,
+                                           agent=self.cfg.agent, max_model_len=self.cfg.engine.max_model_len)
+        await self._endpoint.start()
+        return self._endpoint
+
+    async def endpoint_url(self) -> str:
+        return (await self.endpoint()).base_url
+
+    async def _group(self, seed: int, gid: int, *, temperature: float | None = None, num_episodes: int | None = None,
+                     evaluation: bool = False):
+        if self.agent is not None:
+            from agentrl.agents import run_agent_group
+
+            return await run_agent_group(self.agent, await self.endpoint(), seed=seed, rollout=self.cfg.rollout,
+                                         group_id=gid, temperature=temperature, num_episodes=num_episodes,
+                                         evaluation=evaluation)
+        from agentrl.rollout import run_group
+
+        return await run_group(
+            self.make_env, self.renderer, self.router, seed=seed, cfg=self.cfg.rollout, group_id=gid,
+            env_timeout=self.cfg.env.step_timeout_s, temperature=temperature, num_episodes=num_episodes,
+            max_model_len=self.cfg.engine.max_model_len,
+        )
 
     def _next_seed(self) -> int:
         k = next(self._tasks)
         return self.cfg.rollout.seed_offset + k * self.cfg.rollout.num_actors + self.index
 
     async def _worker(self) -> None:
-        from agentrl.rollout import run_group
-
         while not self._stop:
             ticket = await self.replay.admit.remote()
             if self._stop:
@@ -101,10 +136,7 @@ class RolloutActor:
             seed = self._next_seed()
             gid = seed
             try:
-                group = await run_group(
-                    self.make_env, self.renderer, self.router, seed=seed, cfg=self.cfg.rollout,
-                    group_id=gid, env_timeout=self.cfg.env.step_timeout_s, max_model_len=self.cfg.engine.max_model_len,
-                )
+                group = await self._group(seed, gid)
             except Exception:
                 self.num_failed_groups += 1
                 await self.replay.release.remote(ticket)
@@ -134,16 +166,13 @@ class RolloutActor:
 
     async def evaluate(self, num_episodes: int, seed_offset: int, temperature: float) -> dict[str, float]:
         """Held-out evaluation: one episode per seed, at ``temperature`` (0 = greedy)."""
-        from agentrl.rollout import run_group, summarize
+        from agentrl.rollout import summarize, widen_env_threads
 
+        widen_env_threads(32)
         results = []
 
         async def one(k: int) -> None:
-            g = await run_group(
-                self.make_env, self.renderer, self.router, seed=seed_offset + k, cfg=self.cfg.rollout,
-                group_id=-(k + 1), env_timeout=self.cfg.env.step_timeout_s, temperature=temperature, num_episodes=1,
-                max_model_len=self.cfg.engine.max_model_len,
-            )
+            g = await self._group(seed_offset + k, -(k + 1), temperature=temperature, num_episodes=1, evaluation=True)
             results.extend(g.trajectories)
             self.router.end_episode(f"g{-(k + 1)}-e0")
 
@@ -163,6 +192,7 @@ class RolloutActor:
 
     def stats(self) -> dict[str, float]:
         return {
+            **(self._endpoint.stats() if self._endpoint is not None else {}),
             f"rollout/actor{self.index}_groups": float(self.num_groups),
             "rollout/sticky_hits": float(self.router.num_sticky_hits),
             "rollout/failed_groups": float(self.num_failed_groups),

@@ -41,8 +41,14 @@ def build_runtime_env(cfg: Config) -> dict[str, Any]:
             if hint:
                 raise ConfigError(f"cluster.runtime_env: unknown key '{key}'; did you mean '{hint[0]}'? "
                                   f"(Ray's keys: {', '.join(public)})")
-    module_path = env_module_path(cfg.env.id) if cfg.cluster.ship_env_module else None
-    if module_path is not None:
+    specs = [cfg.env.id] if cfg.agent.solve is None or cfg.sft.enabled else []
+    # The agent's modules travel as env modules do (agent.tasks may be a file path: not a module).
+    specs += [s for s in (cfg.agent.solve, cfg.agent.score, cfg.agent.tasks, cfg.agent.eval_tasks)
+              if s and ":" in s and "/" not in s and not s.endswith((".jsonl", ".json"))]
+    for spec in specs if cfg.cluster.ship_env_module else []:
+        module_path = env_module_path(spec)
+        if module_path is None:
+            continue
         if not isinstance(runtime_env.get("py_modules") or [], list):
             raise ConfigError("cluster.runtime_env.py_modules must be a list of paths or URIs, "
                               f"got {runtime_env['py_modules']!r}")

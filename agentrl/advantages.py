@@ -173,7 +173,8 @@ def trajectory_token_advantages(group: TrajectoryGroup, cfg: AdvantageConfig) ->
     """Per-token advantages of every trajectory of a group, with turn-level credit.
 
     Each trajectory's return is ``G_0`` (its discounted return from the first turn); the group
-    baseline and scale come from the returns of the trainable trajectories. Every sampled token
+    baseline and scale come from the returns of the trainable trajectories (the segments of one agent
+    episode, which share ``info["episode"]``, as one). Every sampled token
     (``loss_mask == 1``) of turn k (``turn_spans[k]``) gets ``(G_k - baseline) / scale``, where
     ``G_k`` is turn k's return-to-go (:func:`turn_returns`; a turn without a reward of its own has
     the return-to-go of the rewards after it, 0 past the last one). Prompt and observation tokens
@@ -192,10 +193,22 @@ def trajectory_token_advantages(group: TrajectoryGroup, cfg: AdvantageConfig) ->
     if not live:
         return out
     per_turn = [turn_returns(group.trajectories[i].turn_rewards, cfg.turn_discount) for i in live]
-    episode = torch.tensor([g[0] if g else 0.0 for g in per_turn], dtype=torch.float64)
-    baseline, scale = group_baseline(
-        episode, cfg.estimator, normalize_std=cfg.normalize_std, eps=cfg.eps, std=cfg.std
+    # The segments of one agent episode (info["episode"], agentrl.recorder) count once in the
+    # baseline: their mean return stands for the episode.
+    keys = [group.trajectories[i].info.get("episode", f"#{i}") for i in live]
+    episodes = list(dict.fromkeys(keys))
+    sums = dict.fromkeys(episodes, 0.0)
+    counts = dict.fromkeys(episodes, 0)
+    for key, g in zip(keys, per_turn):
+        sums[key] += g[0] if g else 0.0
+        counts[key] += 1
+    returns = torch.tensor([sums[e] / counts[e] for e in episodes], dtype=torch.float64)
+    ep_baseline, ep_scale = group_baseline(
+        returns, cfg.estimator, normalize_std=cfg.normalize_std, eps=cfg.eps, std=cfg.std
     )
+    index = {e: k for k, e in enumerate(episodes)}
+    baseline = [ep_baseline[index[key]] for key in keys]
+    scale = [ep_scale[index[key]] for key in keys]
     for j, i in enumerate(live):
         traj = group.trajectories[i]
         spans = traj.turn_spans or [(0, len(traj))]

@@ -19,6 +19,7 @@ from agentrl.tool_calls import tool_parser_error
 __all__ = [
     "FAST_OPTIONS",
     "AdvantageConfig",
+    "AgentConfig",
     "ClusterConfig",
     "ColocateConfig",
     "Config",
@@ -177,6 +178,56 @@ class RolloutConfig(Section):
         if error is not None:
             raise ValueError(error)
         return name
+
+
+class AgentConfig(Section):
+    solve: str | None = None
+    """Your agent, as `module:function` (the module looked up as env modules are): `async def
+    solve(client, task) -> float` gets an `openai.AsyncOpenAI` client bound to this episode (a
+    plain `def` gets an `openai.OpenAI` one and runs in a thread) and returns the reward. When
+    set, the rollouts run the agent through the OpenAI-compatible endpoint instead of env.id's
+    env (guides/agent-endpoint.md). None: the env path."""
+    score: str | None = None
+    """Optional `module:function` `score(task, result) -> float`: the reward of what `solve`
+    returned, for agents that return an answer rather than a reward."""
+    tasks: str | None = None
+    """Training tasks: a `.jsonl` file (task k is line k mod the number of lines, one JSON value
+    each) or `module:function` called as `function(seed) -> task` (a generator, or a lookup into a
+    dataset). Task seeds follow rollout.seed_offset as env seeds do."""
+    eval_tasks: str | None = None
+    """Held-out tasks for eval, in the same forms, drawn at eval.seed_offset + k. None: `tasks`
+    (a function then gets the held-out seeds; a JSONL file would repeat training tasks)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """An agent that has not returned after this long fails: its episode is counted and never
+    trained on, and its key is refused from then on."""
+    request_timeout_s: float = Field(60.0, gt=0)
+    """Timeout of one HTTP request of the client `solve` is given."""
+    model_name: str = "agentrl-policy"
+    """The model name the endpoint serves; requests for another model get a 404."""
+    temperature: Literal["config", "request"] = "config"
+    """config: the engine samples at rollout.temperature (eval.temperature in evaluation)
+    whatever a request asks, the temperature the learner's correction assumes; request: a
+    request's temperature is used (the importance weights then carry the difference)."""
+    host: str = "127.0.0.1"
+    """Interface the endpoint listens on (each rollout actor serves one)."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the endpoint; 0 picks a free one (several rollout actors run on one machine)."""
+
+    @field_validator("solve", "score")
+    @classmethod
+    def _module_function(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        module, sep, name = value.partition(":")
+        if not sep or not module or not name.isidentifier() or not all(p.isidentifier() for p in module.split(".")):
+            raise ValueError(f"expected module:function (e.g. examples.calculator_agent:solve), got {value!r}")
+        return value
+
+    @model_validator(mode="after")
+    def _tasks_with_solve(self) -> "AgentConfig":
+        if self.solve is not None and self.tasks is None:
+            raise ValueError("agent.solve needs agent.tasks (a .jsonl file or module:function(seed) -> task)")
+        return self
 
 
 class EngineConfig(Section):
@@ -579,6 +630,7 @@ class Config(Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    agent: AgentConfig = Field(default_factory=AgentConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 

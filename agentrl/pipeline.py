@@ -28,7 +28,12 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[s
     from agentrl.trainer import Trainer
 
     # Mistakes in the env or the runtime env fail here, before the model is made, SFT or Ray start.
-    check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)
+    if cfg.agent.solve is not None:  # the agent's functions and tasks: imported (and shipped) like env modules
+        from agentrl.agents import load_agent
+
+        load_agent(cfg.agent)
+    if cfg.agent.solve is None or cfg.sft.enabled:
+        check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)
     build_runtime_env(cfg)
     if cfg.metrics.wandb.enabled:
         from agentrl.metrics import require_wandb

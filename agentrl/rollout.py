@@ -250,9 +250,13 @@ async def run_group(
 
 
 def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
-    """Rollout metrics over finished trajectories."""
+    """Rollout metrics over finished trajectories. An agent episode recorded as several segments
+    (:mod:`agentrl.recorder`) counts once, by its last segment; ``rollout/segments`` is their
+    mean number per episode."""
     if not trajectories:
         return {}
+    segmented = [t for t in trajectories if "num_segments" in t.info]
+    trajectories = [t for t in trajectories if t.info.get("segment", 0) + 1 >= t.info.get("num_segments", 1)]
     ok = [t for t in trajectories if t.status != "failed"]
     n = max(len(ok), 1)
     return {
@@ -267,5 +271,7 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
         "rollout/truncated_frac": sum(t.status == "truncated" for t in ok) / n,
         "rollout/overlong_frac": sum(t.info.get("truncated_by") == "tokens" for t in ok) / n,
         "rollout/tokens_max": float(max((len(t) for t in ok), default=0)),
+        **({"rollout/segments": sum(t.info["num_segments"] for t in ok if "num_segments" in t.info) / n}
+           if segmented else {}),
     }
 

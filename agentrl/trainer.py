@@ -52,7 +52,16 @@ class Trainer:
         from agentrl.env_ids import check_env
 
         self.cfg = cfg
-        check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
+        if cfg.agent.solve is not None:  # the agent, its scorer and tasks import: before Ray
+            from agentrl.agents import load_agent
+
+            load_agent(cfg.agent)
+            for key in ("tasks", "eval_tasks"):  # a task file is read by the rollout actors, elsewhere
+                spec = getattr(cfg.agent, key)
+                if spec and Path(spec).is_file():
+                    setattr(cfg.agent, key, str(Path(spec).resolve()))
+        if cfg.agent.solve is None or cfg.sft.enabled:  # (SFT learns from the env's expert)
+            check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
         if cfg.metrics.wandb.enabled:
             require_wandb()
         self.runtime_env = build_runtime_env(cfg)

@@ -1,0 +1,425 @@
+"""An OpenAI-compatible chat-completions endpoint in front of the engines, one per rollout worker.
+
+Agents written against the OpenAI API (the ``openai`` SDK, the OpenAI Agents SDK, LangGraph, a
+hand-written loop) talk to it over real HTTP (FastAPI on uvicorn). Every episode gets its own API
+key; each request of that episode is turned into token ids by its
+:class:`~agentrl.recorder.EpisodeRecorder` (a rendered delta when it continues the episode, a
+new segment when it rewrites history), the engine samples, and the sampled tokens, logprobs and
+weight versions are recorded as sampled before the response goes back. The response carries
+``tool_calls`` parsed by vLLM's parser of the model's family (``rollout.tool_parser``),
+``usage`` and ``finish_reason``; ``stream=true`` answers in server-sent events.
+
+Bad requests get a 4xx with an OpenAI-style error body (``{"error": {"message", "type",
+"param", "code"}}``) and write nothing. This module knows nothing of Ray: it takes an engine
+client (:class:`agentrl.rollout.EngineClient`), the rollout actor hosts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+import socket
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from agentrl.chat import ChatRenderer
+from agentrl.config import AgentConfig, RolloutConfig
+from agentrl.recorder import EpisodeRecorder, MessageError
+from agentrl.rollout import EngineClient
+from agentrl.tool_calls import ToolCallParser
+
+__all__ = ["AgentEndpoint", "ApiError", "ChatCompletionRequest", "EndpointEpisode", "cut_at_stop"]
+
+logger = logging.getLogger(__name__)
+
+
+class ApiError(Exception):
+    """An OpenAI-style error response."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ChatCompletionRequest(BaseModel):
+    """The subset of OpenAI's chat-completions request the endpoint serves. Unknown fields are
+    refused by name; fields that would change the sampling distribution the learner assumes are
+    accepted only at their neutral value."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    messages: list[Any]
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: dict[str, Any] | None = None
+    n: int | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict[str, Any] | None = None
+    # Accepted and ignored: they do not change what is sampled.
+    parallel_tool_calls: bool | None = None
+    seed: int | None = None
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def check(self) -> None:
+        """Refuse what the endpoint cannot do without training on something else than was sampled.
+
+        Raises:
+            ApiError: naming the parameter.
+        """
+        if self.n not in (None, 1):
+            raise ApiError(400, f"n={self.n} is not supported: one choice per request (make several "
+                           "requests for several samples)", param="n")
+        neutral = {"top_p": (self.top_p, (None, 1.0)), "frequency_penalty": (self.frequency_penalty, (None, 0.0)),
+                   "presence_penalty": (self.presence_penalty, (None, 0.0)), "logprobs": (self.logprobs, (None, False)),
+                   "top_logprobs": (self.top_logprobs, (None, 0))}
+        for name, (value, ok) in neutral.items():
+            if value not in ok:
+                raise ApiError(400, f"{name}={value!r} is not supported: the policy samples from its full "
+                               "distribution (rollout.top_p), which is what the learner trains on", param=name)
+        if self.logit_bias:
+            raise ApiError(400, "logit_bias is not supported: it changes the distribution the learner trains on",
+                           param="logit_bias")
+        if self.response_format not in (None, {"type": "text"}):
+            raise ApiError(400, "response_format other than text is not supported (constrained decoding "
+                           "changes the distribution the learner trains on)", param="response_format")
+        if self.tool_choice not in (None, "auto", "none"):
+            raise ApiError(400, f"tool_choice={self.tool_choice!r} is not supported; use 'auto' or 'none' "
+                           "(forcing a call needs constrained decoding, which changes the distribution the "
+                           "learner trains on)", param="tool_choice")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > 4 or any(not s for s in stops):
+            raise ApiError(400, "stop: at most 4 non-empty strings", param="stop")
+
+
+def cut_at_stop(tokenizer_decode: Any, token_ids: list[int], stops: list[str]) -> tuple[int, str] | None:
+    """Where the first stop string appears in the decoded tokens: ``(number of tokens kept (up to
+    the one that completes it), text before it)``; None when none appears."""
+    if not stops:
+        return None
+    def hit(k: int) -> bool:
+        text = tokenizer_decode(token_ids[:k])
+        return any(s in text for s in stops)
+
+    if not hit(len(token_ids)):
+        return None
+    lo, hi = 1, len(token_ids)  # the shortest prefix whose text holds a stop string (a longer one still does)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if hit(mid) else (mid + 1, hi)
+    text = tokenizer_decode(token_ids[:lo])
+    return lo, text[:min(text.find(s) for s in stops if s in text)]
+
+
+@dataclass
+class EndpointEpisode:
+    """One episode's key and record. ``base_url`` and ``api_key`` are what its agent's client uses."""
+
+    episode_id: str
+    api_key: str
+    base_url: str
+    temperature: float
+    recorder: EpisodeRecorder
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    slot: str = ""
+    closed: bool = False
+    truncated_by: str | None = None
+    error: str | None = None
+    num_requests: int = 0
+    num_tool_calls: int = 0  # tool calls returned to the agent
+
+
+class _QuietServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the process hosting the endpoint (a Ray worker) keeps
+    its own handling of SIGINT and SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+class AgentEndpoint:
+    """The HTTP endpoint of one rollout worker.
+
+    Args:
+        renderer: the policy's chat renderer.
+        tool_parser: vLLM's parser of the model's tool-call format.
+        engine: where prompts are sampled (the rollout actor's router).
+        rollout: the ``rollout`` config (turn and token caps, top_p, overlong).
+        agent: the ``agent`` config (model name, temperature policy, host).
+        max_model_len: the engine's context; the token budget is the smaller of it and
+            ``rollout.max_total_tokens``.
+    """
+
+    def __init__(self, renderer: ChatRenderer, tool_parser: ToolCallParser, engine: EngineClient, *,
+                 rollout: RolloutConfig, agent: AgentConfig, max_model_len: int | None = None) -> None:
+        self.renderer = renderer
+        self.tool_parser = tool_parser
+        self.engine = engine
+        self.rollout = rollout
+        self.agent = agent
+        self.limit = min(rollout.max_total_tokens, max_model_len or rollout.max_total_tokens)
+        self.episodes: dict[str, EndpointEpisode] = {}
+        self.num_refused = 0  # requests refused before reaching an episode (bad key, ended episode)
+        self.base_url = ""
+        self._server: Any = None
+        self._task: asyncio.Task | None = None
+        self._app = self._build_app()
+
+    # -- lifecycle --------------------------------------------------------------------------------
+    async def start(self) -> str:
+        """Serve on ``agent.host`` at a free port in the running event loop; returns the base URL."""
+        if self._task is not None:
+            return self.base_url
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.agent.host, self.agent.port))
+        port = sock.getsockname()[1]
+        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_keep_alive=30, limit_concurrency=None)
+        self._server = _QuietServer(config)
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # re-raises why it stopped
+                raise RuntimeError("the agent endpoint stopped before it started")
+            await asyncio.sleep(0.01)
+        self.base_url = f"http://{self.agent.host}:{port}/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+        self._task = self._server = None
+
+    # -- episodes ---------------------------------------------------------------------------------
+    def open_episode(self, episode_id: str, *, temperature: float) -> EndpointEpisode:
+        """A new episode with its own API key (requests with it go to this episode only)."""
+        key = "agentrl-" + secrets.token_urlsafe(24)
+        slot = secrets.token_hex(6)  # the episode's own base URL: a key sent to another episode's URL is refused
+        root = self.base_url.removesuffix("/v1")
+        ep = EndpointEpisode(episode_id, key, f"{root}/e/{slot}/v1", temperature, EpisodeRecorder(self.renderer))
+        ep.slot = slot
+        self.episodes[key] = ep
+        return ep
+
+    def close_episode(self, ep: EndpointEpisode) -> EndpointEpisode:
+        """End an episode: its key is refused from now on and its record is final."""
+        ep.closed = True
+        self.episodes.pop(ep.api_key, None)
+        return ep
+
+    # -- HTTP -------------------------------------------------------------------------------------
+    def _build_app(self) -> Any:
+        app = FastAPI(title="agentrl agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @app.exception_handler(ApiError)
+        async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+            return JSONResponse(exc.body(), status_code=exc.status)
+
+        @app.exception_handler(404)
+        async def _not_found(request: Request, _exc: Exception) -> JSONResponse:
+            err = ApiError(404, f"unknown path {request.url.path} (served: GET /v1/models, "
+                           "POST /v1/chat/completions)", code="unknown_url")
+            return JSONResponse(err.body(), status_code=404)
+
+        @app.exception_handler(405)
+        async def _bad_method(request: Request, _exc: Exception) -> JSONResponse:
+            err = ApiError(405, f"method {request.method} is not allowed on {request.url.path}", code="method_not_allowed")
+            return JSONResponse(err.body(), status_code=405)
+
+        @app.get("/v1/models")
+        @app.get("/e/{slot}/v1/models")
+        async def models(request: Request, slot: str | None = None) -> dict[str, Any]:
+            self._episode(request, slot)
+            return {"object": "list", "data": [{"id": self.agent.model_name, "object": "model", "created": 0,
+                                                "owned_by": "agentrl"}]}
+
+        @app.post("/v1/chat/completions")
+        @app.post("/e/{slot}/v1/chat/completions")
+        async def chat(request: Request, slot: str | None = None) -> Any:
+            ep = self._episode(request, slot)
+            req = await self._parse(request)
+            result = await self._complete(ep, req)
+            if req.stream:
+                include_usage = bool((req.stream_options or {}).get("include_usage"))
+                return StreamingResponse(iter(self._stream(result, include_usage)), media_type="text/event-stream")
+            return result
+
+        return app
+
+    def _episode(self, request: Any, slot: str | None = None) -> EndpointEpisode:
+        """The episode a request belongs to: by its key, which must match the episode's base URL
+        when the request came through one (``/e/<slot>/v1``)."""
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        ep = self.episodes.get(key)
+        detail = None
+        if ep is None or ep.closed:
+            detail = "no API key given" if not key else "this API key belongs to no running episode (it is " \
+                "unknown, or its episode has ended)"
+        elif slot is not None and slot != ep.slot:
+            detail = "this API key belongs to another episode than this base URL's"
+        if detail is not None:
+            self.num_refused += 1
+            raise ApiError(401, f"{detail}; each episode's agent must use the base URL and key it was given",
+                           type="authentication_error", code="invalid_api_key")
+        return ep
+
+    async def _parse(self, request: Any) -> ChatCompletionRequest:
+        raw = await request.body()
+        try:
+            data = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise ApiError(400, f"the request body must be a JSON object, got {type(data).__name__}",
+                           code="invalid_json")
+        try:
+            req = ChatCompletionRequest.model_validate(data)
+        except ValidationError as err:
+            e = err.errors()[0]
+            param = ".".join(str(p) for p in e["loc"])
+            if e["type"] == "extra_forbidden":
+                raise ApiError(400, f"unsupported parameter: '{param}'", param=param,
+                               code="unsupported_parameter") from None
+            raise ApiError(400, f"{param}: {e['msg']}", param=param) from None
+        req.check()
+        if req.model != self.agent.model_name:
+            raise ApiError(404, f"the model '{req.model}' does not exist; this endpoint serves "
+                           f"'{self.agent.model_name}' (agent.model_name)", param="model", code="model_not_found")
+        return req
+
+    async def _complete(self, ep: EndpointEpisode, req: ChatCompletionRequest) -> dict[str, Any]:
+        async with ep.lock:  # one request of an episode at a time: each extends the last
+            if ep.closed:
+                raise ApiError(401, "the episode has ended", type="authentication_error", code="invalid_api_key")
+            ep.num_requests += 1
+            rec = ep.recorder
+            if rec.num_completions >= self.rollout.max_turns:
+                ep.truncated_by = ep.truncated_by or "turns"
+                raise ApiError(400, f"this episode already made {rec.num_completions} completions "
+                               f"(rollout.max_turns = {self.rollout.max_turns})", code="turn_limit_exceeded")
+            try:
+                prep = rec.prepare(req.messages, req.tools)
+            except MessageError as exc:
+                raise ApiError(400, str(exc), param=exc.param) from None
+            room = self.limit - len(prep.prompt_ids)
+            if room <= 0:
+                ep.truncated_by = "tokens"
+                raise ApiError(400, f"the prompt is {len(prep.prompt_ids)} tokens; this episode's limit is "
+                               f"{self.limit} (rollout.max_total_tokens, engine.max_model_len)", param="messages",
+                               code="context_length_exceeded")
+            asked = min(x for x in (req.max_completion_tokens, req.max_tokens, self.rollout.max_new_tokens) if x)
+            budget = min(asked, room)
+            temperature = ep.temperature
+            if self.agent.temperature == "request" and req.temperature is not None:
+                temperature = req.temperature
+            try:
+                out = await self.engine.generate(prep.prompt_ids, max_tokens=budget, temperature=temperature,
+                                                 top_p=self.rollout.top_p, episode_id=ep.episode_id)
+            except Exception as exc:  # the engine died or refused: the episode is not trained on
+                ep.error = f"engine error: {type(exc).__name__}: {str(exc)[:200]}"
+                raise ApiError(500, "the engine failed on this request; the episode is dropped",
+                               type="server_error", code="engine_error") from None
+            if ep.closed:  # the agent was cancelled (timeout) while the engine sampled
+                raise ApiError(401, "the episode has ended", type="authentication_error", code="invalid_api_key")
+            tokens, logprobs, versions = list(out.token_ids), list(out.logprobs), list(out.versions)
+            stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+            cut = cut_at_stop(self.renderer.decode, tokens, stops)
+            closed = bool(tokens) and tokens[-1] in self.renderer.stop_token_ids
+            if cut is not None:
+                n, text = cut
+                tokens, logprobs, versions = tokens[:n], logprobs[:n], versions[:n]
+                closed = bool(tokens) and tokens[-1] in self.renderer.stop_token_ids
+                finish = "stop"
+            else:
+                text = self.renderer.decode(tokens)
+                finish = "stop" if closed else "length"
+                if not closed and len(tokens) >= budget and budget == room:
+                    ep.truncated_by = "tokens"  # cut by the episode's token limit, not by max_tokens
+            message: dict[str, Any] = {"role": "assistant", "content": text}
+            if req.tools and req.tool_choice != "none" and cut is None:
+                parsed = self.tool_parser.parse(text)
+                if parsed.calls and not parsed.errors:
+                    message["content"] = parsed.content or None
+                    message["tool_calls"] = [
+                        {"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
+                    finish = "tool_calls" if closed else finish
+                    ep.num_tool_calls += len(parsed.calls)
+            rec.record(prep, tokens, logprobs, versions, message, closed=closed)
+            return {
+                "id": f"chatcmpl-{secrets.token_hex(12)}",
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.agent.model_name,
+                "choices": [{"index": 0, "message": {**message, "refusal": None}, "logprobs": None,
+                             "finish_reason": finish}],
+                "usage": {"prompt_tokens": len(prep.prompt_ids), "completion_tokens": len(tokens),
+                          "total_tokens": len(prep.prompt_ids) + len(tokens)},
+            }
+
+    @staticmethod
+    def _stream(result: dict[str, Any], include_usage: bool) -> list[str]:
+        """The completion as chat.completion.chunk events (the whole turn is sampled before the
+        first event: the engine returns a turn at once)."""
+        base = {"id": result["id"], "object": "chat.completion.chunk", "created": result["created"],
+                "model": result["model"]}
+        choice = result["choices"][0]
+        msg = choice["message"]
+
+        def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+            return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+                         **({"usage": None} if include_usage else {})})
+
+        events = [chunk({"role": "assistant", "content": ""})]
+        if msg.get("content"):
+            events.append(chunk({"content": msg["content"]}))
+        for i, call in enumerate(msg.get("tool_calls") or []):
+            events.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
+                                                 "function": {"name": call["function"]["name"], "arguments": ""}}]}))
+            events.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]}))
+        events.append(chunk({}, choice["finish_reason"]))
+        if include_usage:
+            events.append(_sse({**base, "choices": [], "usage": result["usage"]}))
+        events.append("data: [DONE]\n\n")
+        return events
+
+    def stats(self) -> dict[str, float]:
+        return {"rollout/endpoint_refused": float(self.num_refused)}
+
