@@ -642,6 +642,15 @@ class Config(Section):
                 raise ValueError("replay.dynamic_sampling filters groups on their task rewards, but "
                                  "distill.reward_weight is 0 (pure distillation trains every group): "
                                  "turn one of them off, or give the task reward a weight")
+        dc = self.distill
+        if dc.enabled and self.cluster.address is None and self.cluster.num_cpus is not None:
+            need = (self.engine.num_engines * self.engine.num_cpus + self.learner.num_cpus * max(1, self.learner.num_gpus)
+                    + dc.num_engines * dc.num_cpus)
+            if need > self.cluster.num_cpus:
+                # Ray would never place the teacher's engines, and the run would wait forever.
+                raise ValueError(f"distill: the engines, the learner and {dc.num_engines} teacher engine(s) need "
+                                 f"{need:g} Ray CPUs, but cluster.num_cpus is {self.cluster.num_cpus}; raise it "
+                                 "or lower distill.num_cpus (e.g. 0: the teacher only prefills)")
         if self.rollout.max_total_tokens > self.engine.max_model_len:
             raise ValueError(
                 f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds "

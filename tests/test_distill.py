@@ -193,3 +193,15 @@ def test_teacher_engine_scores_the_students_tokens_in_multi_turn_episodes(tiny_m
         # the teacher is another model: its scores are not the student's
         assert any(abs(k) > 1e-2 for k, m in zip(kl, mask) if m)
     assert multi_turn == len(group.trajectories), "every episode should run its three turns"
+
+
+def test_config_refuses_a_teacher_ray_cannot_place():
+    from pathlib import Path
+
+    from agentrl.config import load_config
+
+    quickstart = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+    with pytest.raises(ConfigError, match="cluster.num_cpus"):
+        load_config(quickstart, ["distill.teacher=/x"])
+    cfg = load_config(quickstart, ["distill.teacher=/x", "cluster.num_cpus=3"])
+    assert cfg.distill.enabled and not load_config(None).distill.enabled
