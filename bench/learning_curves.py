@@ -16,6 +16,7 @@ from pathlib import Path
 
 
 def curve(run_dir: Path) -> dict:
+    temperature = json.loads((run_dir / "config.json").read_text())["eval"]["temperature"]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     points: dict[int, float] = {}
     last: dict = {}
@@ -26,7 +27,7 @@ def curve(run_dir: Path) -> dict:
                 points[step] = row[f"{prefix}/success"]
         if "train/version" in row:
             last = row
-    return {"points": dict(sorted(points.items())), "last": last}
+    return {"points": dict(sorted(points.items())), "last": last, "temperature": temperature}
 
 
 def first_step(points: dict[int, float], threshold: float) -> int | None:
@@ -36,22 +37,24 @@ def first_step(points: dict[int, float], threshold: float) -> int | None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--threshold", type=float, default=0.9, help="held-out success to reach")
+    ap.add_argument("--threshold", type=float, nargs="+", default=[0.5, 0.9], help="held-out success to reach")
     args = ap.parse_args()
     curves = {r: curve(r) for r in args.runs}
     steps = sorted({s for c in curves.values() for s in c["points"]})
-    print("held-out greedy success by learner step")
+    temps = sorted({c["temperature"] for c in curves.values()})
+    print(f"held-out success by learner step (eval temperature {', '.join(map(str, temps))}; 0 = greedy)")
     print("step  " + "".join(f"{r.name:>16s}" for r in args.runs))
     for s in steps:
         print(f"{s:4d}  " + "".join(f"{c['points'][s]:16.3f}" if s in c["points"] else f"{'':16s}"
                                     for c in curves.values()))
-    print(f"\nfirst step at >= {args.threshold}:")
+    print(f"\nfirst evaluated step at >= {', '.join(map(str, args.threshold))} (None: not reached):")
     for r, c in curves.items():
         last = c["last"]
+        reached = " ".join(f"{first_step(c['points'], t)!s:>5s}" for t in args.threshold)
         extra = {k.split("/")[-1]: last[k] for k in ("replay/dynamic_dropped", "replay/dynamic_dropped_frac",
                                                       "replay/dynamic_extra_trajectories", "distill/reverse_kl")
                  if k in last}
-        print(f"  {r.name:16s} {first_step(c['points'], args.threshold)!s:>6s}   steps {int(last.get('train/version', 0))}, "
+        print(f"  {r.name:16s} {reached}   steps {int(last.get('train/version', 0))}, "
               f"wall {last.get('timing/elapsed', 0):.0f} s  {json.dumps(extra)}")
 
 

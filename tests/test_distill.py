@@ -205,3 +205,36 @@ def test_config_refuses_a_teacher_ray_cannot_place():
         load_config(quickstart, ["distill.teacher=/x"])
     cfg = load_config(quickstart, ["distill.teacher=/x", "cluster.num_cpus=3"])
     assert cfg.distill.enabled and not load_config(None).distill.enabled
+
+
+@pytest.mark.slow
+def test_train_with_a_teacher_and_dynamic_sampling(tiny_model_dir, tmp_path):
+    """The trainer end to end: a teacher engine actor beside the student's, two learner steps of
+    distillation plus task reward with dynamic sampling; every batch is full and scored, and the
+    held-out curve (eval.interval) is logged."""
+    from tests.test_pipeline_e2e import e2e_overrides, read_rows, start_ray
+
+    from agentrl.config import load_config
+    from agentrl.pipeline import train
+    from agentrl.tiny import bootstrap_tiny, tiny_corpus
+
+    teacher = bootstrap_tiny(tmp_path / "teacher", seed=1, corpus=tiny_corpus(seed=0))
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, e2e_overrides(
+        tiny_model_dir, run_dir, f"distill.teacher={teacher}", "distill.reward_weight=1.0", "distill.num_cpus=0",
+        "replay.dynamic_sampling=true", "train.num_steps=2", "eval.num_episodes=4", "eval.interval=1"))
+    start_ray()
+    try:
+        train(cfg, progress=False)
+    finally:
+        import ray
+
+        ray.shutdown()
+    rows = read_rows(run_dir)
+    steps = [r for r in rows if "train/loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert r["rollout/trajectories"] == cfg.replay.groups_per_step * cfg.rollout.group_size
+        assert r["distill/reverse_kl"] != 0.0 and math.isfinite(r["distill/reverse_kl"])
+        assert "replay/dynamic_dropped_frac" in r
+    assert [r["step"] for r in rows if "eval_step/success" in r] == [1]
