@@ -208,3 +208,34 @@ def test_config_refuses_combinations_without_effect():
         load_config(None, ["replay.dynamic_sampling=true", "distill.teacher=/x"])
     cfg = load_config(None, ["replay.dynamic_sampling=true", "distill.teacher=/x", "distill.reward_weight=1"])
     assert cfg.replay.dynamic_sampling and cfg.distill.enabled
+
+
+def test_the_episode_loop_keeps_the_envs_reward_when_overlong_zeroes_it(tiny_model_dir):
+    """rollout.overlong = zero_reward: an episode paid 1.0 on its first turn, then cut by the token
+    cap on its second, trains as reward 0, but the filter sees the 1.0 the env gave."""
+    import anyio
+    from transformers import AutoTokenizer
+
+    from agentrl.chat import ChatRenderer
+    from agentrl.config import RolloutConfig
+    from agentrl.envs.base import TextEnv, Turn
+    from agentrl.rollout import run_episode
+    from tests.test_rollout_families import ScriptedEngine
+
+    class PaysThenTalks(TextEnv):
+        def new_task(self, rng, options):
+            return [{"role": "user", "content": "Say something."}]
+
+        def respond(self, action: str) -> Turn:
+            return Turn([{"role": "user", "content": "More."}], reward=1.0)
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    reply = renderer.encode("ok") + [renderer.end_of_turn_id]
+    prompt = len(renderer.prompt_ids([{"role": "user", "content": "Say something."}], None))
+    # room for the first reply and its observation, not for the second reply
+    cap = prompt + len(reply) + len(renderer.observation_delta_ids([{"role": "user", "content": "More."}])) + 2
+    cfg = RolloutConfig(max_turns=3, max_new_tokens=8, max_total_tokens=cap, overlong="zero_reward")
+    traj = anyio.run(lambda: run_episode(PaysThenTalks(max_turns=3), renderer, ScriptedEngine([reply, [7] * 8]),
+                                         seed=0, cfg=cfg, episode_id="e"))
+    assert traj.info["truncated_by"] == "tokens" and traj.reward == 0.0
+    assert raw_reward(traj) == 1.0
