@@ -16,9 +16,11 @@ __all__ = ["ReplayActor"]
 @ray.remote
 class ReplayActor:
     def __init__(self, capacity: int, max_staleness: int, groups_per_step: int, *,
-                 wait_for_stragglers: bool = True, task_order: bool = False) -> None:
+                 wait_for_stragglers: bool = True, task_order: bool = False, dynamic_sampling: bool = False,
+                 dynamic_sampling_max_dropped: int = 512) -> None:
         self.queue = ReplayQueue(capacity, max_staleness, groups_per_step, wait_for_stragglers=wait_for_stragglers,
-                                 task_order=task_order)
+                                 task_order=task_order, dynamic_sampling=dynamic_sampling,
+                                 dynamic_sampling_max_dropped=dynamic_sampling_max_dropped)
         self._cond: asyncio.Condition | None = None
         self._staged: tuple[int, list[Any]] = (0, [])  # (version, [ObjectRef]) wrapped: not resolved
 
@@ -35,10 +37,12 @@ class ReplayActor:
             await self.cond.wait_for(self.queue.can_admit)
             return self.queue.admit()
 
-    async def put(self, group: TrajectoryGroup, ticket: int) -> None:
+    async def put(self, group: TrajectoryGroup, ticket: int) -> bool:
+        """Queue a finished group (False: dynamic sampling dropped it and its slot is free again)."""
         async with self.cond:
-            self.queue.put(group, ticket)
-            self.cond.notify_all()
+            queued = self.queue.put(group, ticket)
+            self.cond.notify_all()  # a dropped group frees its slot: a waiting admission goes on
+            return queued
 
     async def release(self, ticket: int) -> None:
         async with self.cond:

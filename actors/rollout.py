@@ -49,7 +49,10 @@ class Router:
 
 @ray.remote
 class RolloutActor:
-    def __init__(self, cfg: Config, engines: list[Any], replay: Any, actor_index: int, model_path: str) -> None:
+    def __init__(self, cfg: Config, engines: list[Any], replay: Any, actor_index: int, model_path: str,
+                 teachers: list[Any] | None = None) -> None:
+        """``teachers``: on-policy distillation, the teacher's engine actors; every finished group
+        is scored by them (round-robin over trajectories) before it goes to the replay queue."""
         import gymnasium as gym
         from transformers import AutoTokenizer
 
@@ -61,6 +64,8 @@ class RolloutActor:
         self.replay = replay
         self.index = actor_index
         self.router = Router(engines)
+        self.teachers = list(teachers or [])
+        self._teacher_turn = itertools.count()
         from agentrl.envs.base import set_tool_parser
         from agentrl.tool_calls import build_tool_parser
 
@@ -128,6 +133,8 @@ class RolloutActor:
         return self.cfg.rollout.seed_offset + k * self.cfg.rollout.num_actors + self.index
 
     async def _worker(self) -> None:
+        from agentrl.replay import zero_spread
+
         while not self._stop:
             ticket = await self.replay.admit.remote()
             if self._stop:
@@ -148,8 +155,24 @@ class RolloutActor:
                 self.num_failed_groups += 1
                 await self.replay.release.remote(ticket)
                 continue
+            if self.teachers and not (self.cfg.replay.dynamic_sampling and zero_spread(group)):
+                try:
+                    await self._score(group)
+                except Exception:  # a teacher engine died: the group cannot be distilled
+                    self.num_failed_groups += 1
+                    await self.replay.release.remote(ticket)
+                    continue
             await self.replay.put.remote(group, ticket)
             self.num_groups += 1
+
+    async def _score(self, group) -> None:
+        from agentrl.distill import score_group
+
+        async def score(token_ids: list[int]) -> list[float]:
+            teacher = self.teachers[next(self._teacher_turn) % len(self.teachers)]
+            return await teacher.score.remote(token_ids)
+
+        await score_group(group, score)
 
     async def run(self) -> int:
         """Generate groups until :meth:`stop`; returns the number of groups produced."""

@@ -24,6 +24,7 @@ __all__ = [
     "ColocateConfig",
     "Config",
     "ConfigError",
+    "DistillConfig",
     "EngineConfig",
     "EnvConfig",
     "EvalConfig",
@@ -271,6 +272,16 @@ class ReplayConfig(Section):
     """The learner waits for an in-flight group that its next step would push over max_staleness
     (long episodes finish late), instead of dropping it later; false drops it (bias toward short
     episodes)."""
+    dynamic_sampling: bool = False
+    """Dynamic sampling (DAPO): a finished group whose raw env rewards (before rollout.overlong's
+    zeroing) all tie carries no group-relative signal; it is dropped as it arrives and gives its
+    admission slot back, so rollouts keep producing until every batch holds groups_per_step groups
+    with a reward spread. Metrics: replay/dynamic_dropped (groups), replay/dynamic_dropped_frac
+    (their share of finished groups), replay/dynamic_extra_trajectories (episodes they cost)."""
+    dynamic_sampling_max_dropped: int = Field(512, ge=1)
+    """With dynamic_sampling: groups dropped in a row (since the learner's last batch) after which
+    the run stops with an error instead of waiting forever (the policy then solves, or fails,
+    every task: the env is too easy or too hard for dynamic sampling)."""
 
 
 class ImportanceSamplingConfig(Section):
@@ -495,6 +506,33 @@ class ColocateConfig(Section):
     must fit on one GPU (Ray's bookkeeping only: real memory is set by gpu_memory_utilization)."""
 
 
+class DistillConfig(Section):
+    teacher: str | None = None
+    """Hugging Face model directory of the teacher for on-policy distillation; None: off. The
+    teacher is served by engine actors of its own and scores the student's sampled tokens (vLLM
+    prompt logprobs on the student's exact token ids, no retokenization): it must share the
+    student's tokenizer. Each policy token t gets the advantage
+    coef * (log pi_teacher(y_t) - log mu(y_t)) (the per-token reverse KL, negated; mu is the
+    engine that sampled it) plus reward_weight times its task-reward advantage."""
+    coef: float = Field(1.0, gt=0)
+    """Weight of the per-token reverse-KL advantage."""
+    reward_weight: float = Field(0.0, ge=0)
+    """Weight of the task-reward (group-relative) advantage added to the distillation one;
+    0: pure distillation, the env's rewards are not trained on."""
+    num_engines: int = Field(1, ge=1)
+    """Teacher engine actors (round-robin over trajectories)."""
+    num_cpus: float = Field(1.0, ge=0)
+    """Ray CPUs reserved per teacher engine actor."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs per teacher engine actor (0 on CPU)."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """KV-cache size per teacher engine on CPU; None: engine.kv_cache_gib."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.teacher is not None
+
+
 class TrainConfig(Section):
     num_steps: int = Field(10, ge=0)
     """Learner steps (optimizer steps) to run."""
@@ -559,6 +597,9 @@ class EvalConfig(Section):
     """Held-out seeds start here; training seeds never reach it."""
     temperature: float = Field(0.0, ge=0)
     """Sampling temperature of evaluation (0 = greedy)."""
+    interval: int = Field(0, ge=0)
+    """Also evaluate every this many learner steps (logged as eval_step/... at that step: a
+    held-out learning curve); 0: only before and after training."""
 
 
 class ClusterConfig(Section):
@@ -631,6 +672,7 @@ class Config(Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)
+    distill: DistillConfig = Field(default_factory=DistillConfig)
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
@@ -706,6 +748,23 @@ class Config(Section):
 
             resolve_transport(self.refit.transport, engine_on_gpu=self.engine.num_gpus > 0,
                               same_gpu=co.enabled and self.engine.num_gpus > 0)
+        if self.replay.dynamic_sampling:
+            if self.rollout.group_size < 2:
+                raise ValueError("replay.dynamic_sampling drops groups whose rewards tie; a group of "
+                                 f"rollout.group_size = {self.rollout.group_size} always ties (use >= 2)")
+            if self.distill.enabled and self.distill.reward_weight == 0:
+                raise ValueError("replay.dynamic_sampling filters groups on their task rewards, but "
+                                 "distill.reward_weight is 0 (pure distillation trains every group): "
+                                 "turn one of them off, or give the task reward a weight")
+        dc = self.distill
+        if dc.enabled and self.cluster.address is None and self.cluster.num_cpus is not None:
+            need = (self.engine.num_engines * self.engine.num_cpus + self.learner.num_cpus * max(1, self.learner.num_gpus)
+                    + dc.num_engines * dc.num_cpus)
+            if need > self.cluster.num_cpus:
+                # Ray would never place the teacher's engines, and the run would wait forever.
+                raise ValueError(f"distill: the engines, the learner and {dc.num_engines} teacher engine(s) need "
+                                 f"{need:g} Ray CPUs, but cluster.num_cpus is {self.cluster.num_cpus}; raise it "
+                                 "or lower distill.num_cpus (e.g. 0: the teacher only prefills)")
         if self.rollout.max_total_tokens > self.engine.max_model_len:
             raise ValueError(
                 f"rollout.max_total_tokens ({self.rollout.max_total_tokens}) exceeds "

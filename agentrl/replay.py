@@ -22,6 +22,13 @@ admitted under, a lower bound on its tokens' versions) and, with ``wait_for_stra
 learner does not take a batch while a group in flight would go over the bound by that step: it
 waits for the straggler. Only groups that were already over the bound when admitted (engines
 lagging behind a refit) can still be dropped.
+
+Dynamic sampling (DAPO's, ``dynamic_sampling=True``): a group whose raw rewards all tie
+(:func:`zero_spread`) has all-zero group-relative advantages and would only dilute its batch. It
+is dropped when it is put, and its admission slot is given back as a released one is, so another
+group is admitted in its place: batches keep exactly ``groups_per_step`` groups, all with a reward
+spread, and a dropped group never holds admission closed. The replacement is admitted under the
+weights the engines serve then, so the staleness bound holds as before.
 """
 
 from __future__ import annotations
@@ -32,7 +39,30 @@ from typing import Any
 
 from agentrl.trajectory import TrajectoryGroup
 
-__all__ = ["ReplayQueue", "ReplayStats"]
+__all__ = ["DynamicSamplingStalled", "ReplayQueue", "ReplayStats", "raw_reward", "zero_spread"]
+
+
+class DynamicSamplingStalled(RuntimeError):
+    """Dynamic sampling dropped more groups in a row than ``replay.dynamic_sampling_max_dropped``."""
+
+
+def raw_reward(traj) -> float:
+    """The episode's reward as the env gave it (before ``rollout.overlong`` zeroes it)."""
+    return float(traj.info.get("raw_reward", traj.reward))
+
+
+def zero_spread(group: TrajectoryGroup) -> bool:
+    """Whether the raw rewards of the group's trainable trajectories all tie (or fewer than two
+    are trainable): GRPO/RLOO/Dr. GRPO advantages are then zero for every episode.
+
+    Example:
+        >>> from agentrl.trajectory import Trajectory
+        >>> def ep(r): return Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, 0], turn_rewards=[r])
+        >>> zero_spread(TrajectoryGroup("t", [ep(1.0), ep(1.0)])), zero_spread(TrajectoryGroup("t", [ep(1.0), ep(0.0)]))
+        (True, False)
+    """
+    rewards = {raw_reward(t) for t in group.trajectories if t.trainable}
+    return len(rewards) <= 1 if len(group.trainable()) >= 2 else True
 
 
 @dataclass
@@ -42,6 +72,9 @@ class ReplayStats:
     consumed: int = 0
     dropped_stale: int = 0
     released: int = 0
+    dynamic_dropped: int = 0  # groups dropped by dynamic sampling (raw rewards tie)
+    dynamic_dropped_trajectories: int = 0
+    dynamic_dropped_since_take: int = 0
     # Length histograms (tokens, bucketed by 256) of generated and consumed trajectories, so a
     # bias against long episodes shows up.
     generated_lengths: Counter = field(default_factory=Counter)
@@ -59,10 +92,14 @@ class ReplayQueue:
             instead of dropping that group later.
         task_order: a batch lists its groups by ``group_id`` (the task seed) rather than by arrival
             (``train.deterministic``: the order of arrival depends on timing).
+        dynamic_sampling: drop groups whose raw rewards tie when they are put.
+        dynamic_sampling_max_dropped: ``take`` raises :class:`DynamicSamplingStalled` once this
+            many groups were dropped since the last batch.
     """
 
     def __init__(self, capacity: int, max_staleness: int, groups_per_step: int, *,
-                 wait_for_stragglers: bool = True, task_order: bool = False) -> None:
+                 wait_for_stragglers: bool = True, task_order: bool = False, dynamic_sampling: bool = False,
+                 dynamic_sampling_max_dropped: int = 512) -> None:
         if capacity < groups_per_step:
             raise ValueError(
                 f"replay.capacity ({capacity}) must hold at least one batch (replay.groups_per_step = {groups_per_step})"
@@ -72,6 +109,8 @@ class ReplayQueue:
         self.groups_per_step = groups_per_step
         self.wait_for_stragglers = wait_for_stragglers
         self.task_order = task_order
+        self.dynamic_sampling = dynamic_sampling
+        self.dynamic_sampling_max_dropped = dynamic_sampling_max_dropped
         self.weights_version = 0
         self.tickets: Counter[int] = Counter()  # in-flight groups by the version they were admitted under
         self.queue: deque[TrajectoryGroup] = deque()
@@ -83,9 +122,10 @@ class ReplayQueue:
         return (self.weights_version + self.max_staleness + 1) * self.groups_per_step
 
     def can_admit(self) -> bool:
-        return self.stats.admitted - self.stats.dropped_stale - self.stats.released < self.admission_limit and (
-            len(self.queue) + self.in_flight < self.capacity
-        )
+        s = self.stats
+        # Slots given back (stale, released, dropped by dynamic sampling) are admitted again.
+        live = s.admitted - s.dropped_stale - s.released - s.dynamic_dropped
+        return live < self.admission_limit and len(self.queue) + self.in_flight < self.capacity
 
     @property
     def in_flight(self) -> int:
@@ -111,13 +151,21 @@ class ReplayQueue:
         self._return_ticket(ticket, "release")
         self.stats.released += 1
 
-    def put(self, group: TrajectoryGroup, ticket: int) -> None:
-        """Add a finished group; it always fits, since admission reserved its place."""
+    def put(self, group: TrajectoryGroup, ticket: int) -> bool:
+        """Add a finished group; it always fits, since admission reserved its place. With dynamic
+        sampling a group whose raw rewards tie is dropped instead (its slot is given back);
+        returns whether the group was queued."""
         self._return_ticket(ticket, "put")
-        self.queue.append(group)
-        self.stats.put += 1
         for t in group.trajectories:
             self.stats.generated_lengths[len(t) // 256 * 256] += 1
+        if self.dynamic_sampling and zero_spread(group):
+            self.stats.dynamic_dropped += 1
+            self.stats.dynamic_dropped_trajectories += len(group)
+            self.stats.dynamic_dropped_since_take += 1
+            return False
+        self.queue.append(group)
+        self.stats.put += 1
+        return True
 
     def set_weights_version(self, version: int) -> None:
         if version < self.weights_version:
@@ -137,7 +185,18 @@ class ReplayQueue:
         """``num_groups`` groups within the staleness bound, those sampled with the oldest weights
         first, or None if not enough yet (or, with ``wait_for_stragglers``, while a group in
         flight would go stale by this step). Groups over the bound are dropped (counted) and give
-        their slot back."""
+        their slot back.
+
+        Raises:
+            DynamicSamplingStalled: dynamic sampling dropped ``dynamic_sampling_max_dropped``
+                groups since the last batch.
+        """
+        if self.dynamic_sampling and self.stats.dynamic_dropped_since_take >= self.dynamic_sampling_max_dropped:
+            raise DynamicSamplingStalled(
+                f"dynamic sampling dropped {self.stats.dynamic_dropped_since_take} groups in a row whose rewards "
+                "all tie (the policy solves, or fails, every task it is given); raise "
+                "replay.dynamic_sampling_max_dropped, make the tasks harder or easier, or turn "
+                "replay.dynamic_sampling off")
         fresh = [g for g in self.queue if self.staleness(g, learner_version) <= self.max_staleness]
         # Drop stale groups now, enough fresh ones or not: they must give their slots back, or
         # admission could stall with a queue full of groups nobody may consume.
@@ -154,6 +213,7 @@ class ReplayQueue:
             batch.sort(key=lambda g: g.group_id)
         self.queue = deque(g for g in fresh if id(g) not in chosen)
         self.stats.consumed += len(batch)
+        self.stats.dynamic_dropped_since_take = 0
         for g in batch:
             for t in g.trajectories:
                 self.stats.consumed_lengths[len(t) // 256 * 256] += 1
@@ -172,7 +232,12 @@ class ReplayQueue:
             "replay/dropped_stale": float(s.dropped_stale),
             "replay/released": float(s.released),
             "replay/weights_version": float(self.weights_version),
-        }
+        } | ({
+            "replay/dynamic_dropped": float(s.dynamic_dropped),
+            # share of finished groups dropped, and the episodes generated for them (extra rollouts)
+            "replay/dynamic_dropped_frac": s.dynamic_dropped / max(s.dynamic_dropped + s.put, 1),
+            "replay/dynamic_extra_trajectories": float(s.dynamic_dropped_trajectories),
+        } if self.dynamic_sampling else {})
 
     # -- checkpointing --------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -188,6 +253,8 @@ class ReplayQueue:
                 "consumed": s.consumed,
                 "dropped_stale": s.dropped_stale,
                 "released": s.released,
+                "dynamic_dropped": s.dynamic_dropped,
+                "dynamic_dropped_trajectories": s.dynamic_dropped_trajectories,
                 "generated_lengths": dict(s.generated_lengths),
                 "consumed_lengths": dict(s.consumed_lengths),
             },
@@ -199,7 +266,9 @@ class ReplayQueue:
         st = state["stats"]
         self.stats = ReplayStats(
             admitted=st["admitted"], put=st["put"], consumed=st["consumed"], dropped_stale=st["dropped_stale"],
-            released=st["released"], generated_lengths=Counter(st["generated_lengths"]),
+            released=st["released"], dynamic_dropped=st.get("dynamic_dropped", 0),
+            dynamic_dropped_trajectories=st.get("dynamic_dropped_trajectories", 0),
+            generated_lengths=Counter(st["generated_lengths"]),
             consumed_lengths=Counter(st["consumed_lengths"]),
         )
         self.tickets = Counter()

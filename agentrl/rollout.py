@@ -191,6 +191,8 @@ async def run_episode(
         traj_info["error"] = str(exc)
     if status != "failed":
         traj_info.setdefault("success", bool(traj_info.get("success", False)))
+    # The env's own rewards, before the overlong shaping below: dynamic sampling filters on these.
+    traj_info["raw_reward"] = float(sum(rewards))
     if traj_info.get("truncated_by") == "tokens":
         traj_info["success"] = False
         if cfg.overlong == "zero_reward":

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from agentrl.config import Config, ConfigError
+from agentrl.distill import reverse_kl_summary
 from agentrl.metrics import MetricsLogger, require_wandb
 from agentrl.models import resolve_model_path as _resolve_model_path
 from agentrl.refit import resolve_transport
@@ -66,6 +67,11 @@ class Trainer:
             require_wandb()
         self.runtime_env = build_runtime_env(cfg)
         self.model_path = model_path or _resolve_model_path(cfg)
+        if cfg.distill.enabled:
+            from agentrl.distill import check_teacher
+
+            check_teacher(cfg.distill.teacher, self.model_path)  # before Ray: a wrong path or tokenizer
+        self.teachers: list[Any] = []
         self.resume = resume
         self.progress = progress
         self.run_dir = Path(cfg.run_dir)
@@ -115,6 +121,8 @@ class Trainer:
         self.replay = ReplayActor.options(num_cpus=0, scheduling_strategy=here, name=replay_name).remote(
             cfg.replay.capacity, cfg.replay.max_staleness, cfg.replay.groups_per_step,
             wait_for_stragglers=cfg.replay.wait_for_stragglers, task_order=cfg.train.deterministic,
+            dynamic_sampling=cfg.replay.dynamic_sampling,
+            dynamic_sampling_max_dropped=cfg.replay.dynamic_sampling_max_dropped,
         )
         co = cfg.colocate
         self.transport = resolve_transport(cfg.refit.transport, engine_on_gpu=cfg.engine.num_gpus > 0,
@@ -148,17 +156,33 @@ class Trainer:
         else:
             self.learner = LearnerGroup(cfg, self.model_path)
             ray.get([e.start.remote() for e in self.engines])
+        if cfg.distill.enabled:
+            self.teachers = self._start_teachers(EngineActor)
         if self.transport == "nccl":
             self._init_weight_group()
         if self.resume:
             self._restore()
         self.rollouts = [
             RolloutActor.options(num_cpus=0, resources=cfg.rollout.resources).remote(
-                cfg, self.engines, self.replay, i, self.model_path)
+                cfg, self.engines, self.replay, i, self.model_path, self.teachers)
             for i in range(cfg.rollout.num_actors)
         ]
         ray.get([r.node_id.remote() for r in self.rollouts])  # constructed (tokenizer, env checked)
         self.actors_started = True
+
+    def _start_teachers(self, engine_actor: Any) -> list[Any]:
+        """On-policy distillation: the teacher's engines, never refit. They score whole
+        trajectories (prompt logprobs), one token longer than the student's engines generate."""
+        cfg, dc = self.cfg, self.cfg.distill
+        teacher_engine = cfg.engine.model_copy(update={
+            "max_model_len": cfg.engine.max_model_len + 1, "kv_cache_gib": dc.kv_cache_gib or cfg.engine.kv_cache_gib})
+        teachers = [
+            engine_actor.options(num_cpus=dc.num_cpus, num_gpus=dc.num_gpus, max_restarts=-1, max_task_retries=0)
+            .remote(dc.teacher, teacher_engine, dtype=cfg.model.dtype, seed=cfg.seed + 1000 + i)
+            for i in range(dc.num_engines)
+        ]
+        ray.get([t.start.remote() for t in teachers])
+        return teachers
 
     def _init_weight_group(self) -> None:
         """The nccl transport's process group: the learner's rank 0 and one rank per engine worker
@@ -407,6 +431,8 @@ class Trainer:
                 staleness = [self.version - 1 - t.min_version for t in trajs if t.num_sampled_tokens]
                 versions = [v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m]
                 metrics.update(summarize(trajs))
+                if cfg.distill.enabled:
+                    metrics.update(reverse_kl_summary(groups))
                 metrics.update(ray.get(self.replay.metrics.remote()))
                 step_s = time.perf_counter() - t0 if step_s is None else step_s
                 metrics.update({
@@ -430,6 +456,11 @@ class Trainer:
                 logger.log(self.step, metrics)
                 bar.update(self.step, metrics)
                 last = metrics
+                ei = cfg.eval.interval
+                if ei and cfg.eval.num_episodes and self.step % ei == 0 and may_start(self.step):
+                    # A held-out curve: the engines serve this step's weights once the refit is in.
+                    self._wait_refit()
+                    logger.log(self.step, self.evaluate("step"))
                 ci = cfg.train.checkpoint_interval
                 if ci and self.step % ci == 0:
                     self.save_checkpoint()
@@ -443,7 +474,8 @@ class Trainer:
             self._wait_refit()
         self._refit_pool.shutdown(wait=True)
         if self.actors_started:
-            for actor in [*getattr(self, "rollouts", []), *self.engines, *self.learner.actors, self.replay]:
+            for actor in [*getattr(self, "rollouts", []), *self.engines, *self.teachers, *self.learner.actors,
+                          self.replay]:
                 try:
                     ray.kill(actor)
                 except Exception:

@@ -33,9 +33,14 @@ class Trajectory:
     seed: int = 0
     num_tool_calls: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    teacher_logprobs: list[float] | None = None
+    """On-policy distillation: the teacher's logprob of each policy token given its prefix (0.0 on
+    prompt and observation tokens); None when no teacher scored the episode."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
+        if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
+            raise ValueError(f"teacher_logprobs has {len(self.teacher_logprobs)} entries for {n} tokens")
         if not (len(self.loss_mask) == len(self.behavior_logprobs) == len(self.policy_versions) == n):
             raise ValueError(
                 f"per-token lists differ in length: token_ids={n}, loss_mask={len(self.loss_mask)}, "

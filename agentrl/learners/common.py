@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentrl.advantages import trajectory_token_advantages
+from agentrl.distill import distill_token_advantages
 from agentrl.losses import compute_policy_loss
 from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, unpack_padded
 
 if TYPE_CHECKING:
-    from agentrl.config import AdvantageConfig, LossConfig, PackingConfig
+    from agentrl.config import AdvantageConfig, DistillConfig, LossConfig, PackingConfig
     from agentrl.trajectory import TrajectoryGroup
 
 __all__ = [
@@ -42,13 +43,19 @@ class TrainSample:
         return len(self.token_ids)
 
 
-def build_samples(groups: list["TrajectoryGroup"], adv_cfg: "AdvantageConfig") -> list[TrainSample]:
-    """Advantages per group, then one sample per trainable trajectory with sampled tokens."""
+def build_samples(groups: list["TrajectoryGroup"], adv_cfg: "AdvantageConfig",
+                  distill_cfg: "DistillConfig | None" = None) -> list[TrainSample]:
+    """Advantages per group, then one sample per trainable trajectory with sampled tokens. With
+    ``distill_cfg`` enabled (a teacher), each token's advantage is the distillation one
+    (:func:`agentrl.distill.distill_token_advantages`) with the task advantage weighted in."""
+    distill = distill_cfg is not None and distill_cfg.enabled
     samples = []
     for group in groups:
         for traj, adv in zip(group.trajectories, trajectory_token_advantages(group, adv_cfg)):
             if not traj.trainable or traj.num_sampled_tokens == 0:
                 continue
+            if distill:
+                adv = distill_token_advantages(traj, adv, distill_cfg)
             samples.append(
                 TrainSample(traj.token_ids, traj.loss_mask, traj.behavior_logprobs, adv, traj.policy_versions)
             )

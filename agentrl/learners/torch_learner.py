@@ -77,7 +77,7 @@ class TorchLearner:
         """One optimizer step on ``groups`` (advantages, packing, off-policy-corrected loss)."""
         t0 = time.perf_counter()
         cfg = self.cfg
-        samples = build_samples(groups, cfg.advantage)
+        samples = build_samples(groups, cfg.advantage, cfg.distill)
         num_tokens, num_sequences = global_counts(samples)  # the loss's normalizers: whole batch
         # Samples with all-zero advantages (tied groups) contribute exactly nothing: no passes for
         # them. When none is left, no optimizer step either (AdamW would move on its momentum).

@@ -267,7 +267,7 @@ class MegatronLearner:
 
         t0 = time.perf_counter()
         cfg, lay = self.cfg, self.layout
-        samples = build_samples(groups, cfg.advantage)
+        samples = build_samples(groups, cfg.advantage, cfg.distill)
         num_tokens, num_sequences = global_counts(samples)  # the loss's normalizers: whole batch
         samples = with_signal(samples, has_kl=self.ref_model is not None)  # tied groups add nothing
         plan = plan_microbatches(samples, cfg.packing, num_ranks=lay.dp)[lay.dp_rank] if samples else [[]]

@@ -1,0 +1,141 @@
+"""On-policy distillation: a teacher scores the student's own samples token by token.
+
+The student (the policy) samples an episode; the teacher's log-probability of every token the
+policy sampled, given everything before it (prompt, earlier turns, tool outputs), comes from the
+teacher's engine on the student's exact token ids (no retokenization: both must share a
+tokenizer). Each policy token ``t`` then gets the per-token advantage
+
+    A_t = coef · (log π_T(y_t | y_<t) − log μ(y_t | y_<t))  +  reward_weight · A_task_t
+
+where μ is the engine that sampled it and ``A_task`` the group-relative task advantage. The first
+term is the negated single-sample estimate of the reverse KL ``KL(π‖π_T)`` at that position: with
+it as the advantage, the policy-gradient loss's expected gradient is the gradient of the reverse
+KL (REINFORCE with a per-token reward, no discounting), so the student moves toward the teacher on
+the states it visits itself. Prompt and observation tokens (``loss_mask == 0``) are never scored
+into the advantage: in multi-turn episodes only the policy's own tokens are distilled.
+
+Pure logic on lists; the teacher engines and their actors live in ``agentrl.actors``. Knows
+nothing of Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from agentrl.config import ConfigError
+
+if TYPE_CHECKING:
+    from agentrl.config import DistillConfig
+    from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+__all__ = [
+    "check_teacher",
+    "distill_token_advantages",
+    "policy_token_logprobs",
+    "reverse_kl_per_token",
+    "reverse_kl_summary",
+    "score_group",
+]
+
+
+def policy_token_logprobs(scored: list[float], loss_mask: list[int]) -> list[float]:
+    """A teacher's scores of a whole sequence, kept on the policy's tokens only (0.0 elsewhere).
+
+    Example:
+        >>> policy_token_logprobs([0.0, -1.0, -2.0, -3.0], [0, 1, 0, 1])
+        [0.0, -1.0, 0.0, -3.0]
+    """
+    if len(scored) != len(loss_mask):
+        raise ValueError(f"teacher scored {len(scored)} tokens of a {len(loss_mask)}-token trajectory")
+    return [float(s) if m else 0.0 for s, m in zip(scored, loss_mask)]
+
+
+def reverse_kl_per_token(traj: "Trajectory") -> list[float]:
+    """``log μ(y_t) − log π_T(y_t)`` on the policy's tokens, 0.0 elsewhere: the single-sample
+    estimate of ``KL(μ‖π_T)`` at each sampled position (its mean over μ's samples is the KL).
+
+    Raises:
+        ValueError: the trajectory was not scored by a teacher.
+    """
+    if traj.teacher_logprobs is None:
+        raise ValueError(f"trajectory of task seed {traj.seed} has no teacher_logprobs (distill.teacher is set, "
+                         "but nothing scored it)")
+    return [b - t if m else 0.0 for b, t, m in zip(traj.behavior_logprobs, traj.teacher_logprobs, traj.loss_mask)]
+
+
+def distill_token_advantages(
+    traj: "Trajectory", task_advantages: list[float], cfg: "DistillConfig"
+) -> list[float]:
+    """Per-token advantages of one trajectory under distillation:
+    ``-coef · reverse_kl_t + reward_weight · task_advantage_t`` on the policy's tokens, 0 elsewhere.
+
+    Example:
+        >>> from agentrl.config import DistillConfig
+        >>> from agentrl.trajectory import Trajectory
+        >>> t = Trajectory([5, 6, 7], [0, 1, 1], [0.0, -0.5, -2.0], [-1, 0, 0], teacher_logprobs=[0.0, -0.1, -3.0])
+        >>> [round(a, 3) for a in distill_token_advantages(t, [0.0, 1.0, 1.0], DistillConfig(teacher="t", reward_weight=0.5))]
+        [0.0, 0.9, -0.5]
+    """
+    kl = reverse_kl_per_token(traj)
+    return [(-cfg.coef * k + cfg.reward_weight * a) if m else 0.0
+            for k, a, m in zip(kl, task_advantages, traj.loss_mask)]
+
+
+def reverse_kl_summary(groups: "list[TrajectoryGroup]") -> dict[str, float]:
+    """``distill/reverse_kl``: the mean per-token reverse-KL estimate over the batch's policy
+    tokens (falls as the student approaches the teacher); ``distill/teacher_logprob``: the
+    teacher's mean logprob of those tokens. Empty when nothing was scored."""
+    kl_sum = lp_sum = 0.0
+    n = 0
+    for g in groups:
+        for t in g.trajectories:
+            if t.teacher_logprobs is None or not t.trainable:
+                continue
+            for b, tl, m in zip(t.behavior_logprobs, t.teacher_logprobs, t.loss_mask):
+                if m:
+                    kl_sum += b - tl
+                    lp_sum += tl
+                    n += 1
+    return {"distill/reverse_kl": kl_sum / n, "distill/teacher_logprob": lp_sum / n} if n else {}
+
+
+def _vocab(path: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(path))
+    return tok.get_vocab() | {"<size>": len(tok)}
+
+
+def check_teacher(teacher: str, student: str) -> None:
+    """Refuse a teacher that is not a model directory or whose tokenizer differs from the
+    student's (its scores of the student's token ids would be of other strings).
+
+    Raises:
+        ConfigError: naming ``distill.teacher`` and what is wrong.
+    """
+    path = Path(teacher)
+    if not (path / "config.json").is_file():
+        raise ConfigError(f"distill.teacher: '{teacher}' is not a Hugging Face model directory (no config.json)")
+    if _vocab(path) != _vocab(Path(student)):
+        raise ConfigError(f"distill.teacher: '{teacher}' has another tokenizer than the student ('{student}'); "
+                          "on-policy distillation scores the student's own token ids, so both must share one")
+
+
+async def score_group(group: "TrajectoryGroup", score: "Callable[[list[int]], Awaitable[list[float]]]") -> None:
+    """Have the teacher score every trainable trajectory of ``group`` at once, in place.
+
+    ``score(token_ids)`` returns the teacher's logprob of each token given its prefix (0.0 at
+    position 0), as :meth:`agentrl.engines.vllm_engine.VLLMEngine.score` does on the student's
+    exact ids; each trajectory keeps them on its policy tokens (``teacher_logprobs``).
+    """
+    import anyio
+
+    async def one(traj: "Trajectory") -> None:
+        traj.teacher_logprobs = policy_token_logprobs(list(await score(list(traj.token_ids))), traj.loss_mask)
+
+    async with anyio.create_task_group() as tg:
+        for traj in group.trajectories:
+            if traj.trainable and traj.num_sampled_tokens:
+                tg.start_soon(one, traj)
