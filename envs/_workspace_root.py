@@ -31,6 +31,7 @@ PROGRAMS = (
     "dirname", "realpath", "readlink", "stat", "du", "df", "nl", "tee", "patch", "seq", "date", "od", "base64",
     "rmdir", "which", "ps", "timeout", "md5sum", "sha256sum", "comm", "paste", "expr", "yes", "id", "whoami",
     "uname", "true", "false", "printf", "echo", "test", "kill", "nproc", "fold", "rev", "split", "mktemp",
+    "setsid", "nohup", "pgrep", "pkill", "gzip", "xxd", "less", "file",
 )  # fmt: skip
 _INIT_SOURCE = Path(__file__).with_name("_workspace_init.sh")
 _FORMAT = 1

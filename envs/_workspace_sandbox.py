@@ -326,8 +326,8 @@ class Shell:
         return fd
 
     def processes(self) -> list[int]:
-        """Host PIDs of the sandbox's processes, the init first."""
-        return [self.init_pid, *_descendants(self.init_pid)]
+        """Host PIDs of the sandbox's live processes (zombies left out), the init first."""
+        return [p for p in (self.init_pid, *_descendants(self.init_pid)) if not _zombie(p)]
 
     def kill_all(self, *, keep_shell: bool) -> None:
         """SIGKILL every process of the sandbox but its init (and the shell when ``keep_shell``), until
@@ -406,6 +406,13 @@ def _descendants(pid: int) -> list[int]:
                 found.append(child)
                 todo.append(child)
     return found
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0] in "ZX"
+    except (OSError, IndexError):
+        return True
 
 
 def _nspid(pid: int) -> int | None:
