@@ -184,6 +184,9 @@ class Workspace:
     def _run(self, command: str, timeout_s: float | None = None, max_output_bytes: int | None = None) -> ShellReply:
         if "\0" in command:
             raise ValueError("the command holds a NUL byte")
+        if len(command) > MAX_COMMAND_CHARS:
+            raise ValueError(f"the command is longer than {MAX_COMMAND_CHARS} characters; write a script with "
+                             "write_file and run that")
         with self._lock:
             if self._shell is None:
                 raise WorkspaceDied("the workspace is closed")
@@ -232,6 +235,8 @@ class Workspace:
         _check_path(path)
         if "\0" in content:
             raise ValueError("the content holds a NUL byte")
+        if len(content) > self.limits.max_file_tool_bytes:
+            raise ValueError(f"the content is longer than {self.limits.max_file_tool_bytes} characters")
         data = content.encode("utf-8", errors="replace")
         p = _quote(path)
         reply = self._run(f"command /usr/bin/mkdir -p -- \"$(command /usr/bin/dirname -- {p})\" && "
@@ -313,6 +318,10 @@ class Workspace:
         self.close()
 
 
+MAX_COMMAND_CHARS = 1 << 17
+MAX_PATH_CHARS = 4096
+
+
 def _check_path(path: str) -> None:
-    if not isinstance(path, str) or not path or "\0" in path:
-        raise ValueError(f"invalid path {path!r}")
+    if not isinstance(path, str) or not path or "\0" in path or len(path) > MAX_PATH_CHARS:
+        raise ValueError(f"invalid path {path[:100]!r}" + (" (too long)" if len(path) > MAX_PATH_CHARS else ""))
