@@ -43,7 +43,7 @@ class WorkspaceDied(RuntimeError):
 class ShellReply:
     """What one command gave: its output (stdout and stderr, as written, up to the cap), the exit code
     the shell reported (None when it did not report one), and why the host stepped in, if it did:
-    ``timeout``, ``output_limit`` or ``shell_exited``."""
+    ``timeout``, ``output_limit``, ``inode_limit`` or ``shell_exited``."""
 
     output: bytes
     exit_code: int | None
@@ -255,7 +255,19 @@ class Shell:
                     raise WorkspaceDied("the workspace's sandbox is gone") from exc
         return True
 
-    def run(self, command: str, *, timeout_s: float, max_output_bytes: int, kill_output_bytes: int) -> ShellReply:
+    def inodes_used(self) -> int:
+        """Files and directories in the workspace's tmpfs mounts (a tmpfs's size does not bound them)."""
+        used = 0
+        for mount in (WORKSPACE, "/tmp"):
+            try:
+                st = os.statvfs(f"/proc/{self.init_pid}/root{mount}")
+            except OSError:
+                continue
+            used += st.f_files - st.f_ffree
+        return used
+
+    def run(self, command: str, *, timeout_s: float, max_output_bytes: int, kill_output_bytes: int,
+            max_inodes: int | None = None) -> ShellReply:
         """Run ``command`` in the shell (stdin ``/dev/null``); see ``ShellReply``.
 
         Past ``timeout_s`` or ``kill_output_bytes`` of output, every process of the sandbox but its init
@@ -266,6 +278,13 @@ class Shell:
         script = (f"builtin eval {_quote(command)} </dev/null 4<&- 5>&-\n"
                   f"builtin printf '%s %d %s\\0' {nonce} \"$?\" \"$PWD\" >&5\n").encode()
         out, killed, restarted = bytearray(), None, False
+        stale = self._drain_output()  # what background processes wrote since the last call
+        if stale:
+            out += b"[output of background processes since the last call]\n" + stale
+            if not stale.endswith(b"\n"):
+                out += b"\n"
+            out += b"[this command's output]\n"
+        inode_cap = None if max_inodes is None else max(max_inodes, self.inodes_used())  # (rm must still work)
         deadline = time.monotonic() + timeout_s
         reply = None
         if not self._write(script, deadline, out):
@@ -274,6 +293,8 @@ class Shell:
             report = self._report(min(deadline, time.monotonic() + 0.05), out)
             if len(out) > kill_output_bytes:
                 killed = "output_limit"
+            elif inode_cap is not None and self.inodes_used() > inode_cap:
+                killed = "inode_limit"
             elif report is None:
                 if time.monotonic() >= deadline:
                     killed = "timeout"
@@ -284,7 +305,7 @@ class Shell:
                 killed, restarted = "shell_exited", True
                 self.shell_restarts += 1
                 self._await_shell(time.monotonic() + 10)
-        if killed in ("timeout", "output_limit"):
+        if killed in ("timeout", "output_limit", "inode_limit"):
             self.kill_all(keep_shell=True)
             reply = self._report(time.monotonic() + 1.0, out)
             if reply is None or not reply.startswith(nonce.encode()):  # the shell itself is stuck

@@ -53,7 +53,10 @@ class WorkspaceLimits:
         memory_mb: address-space limit of each process.
         max_file_bytes: largest file a process may write.
         max_open_files: file descriptors per process.
-        max_file_tool_bytes: largest file ``read_file``/``str_replace`` read.
+        max_file_tool_bytes: largest file ``read_file``/``str_replace`` read, and ``write_file`` writes.
+        max_inodes: files and directories in ``/workspace`` and ``/tmp`` together (a tmpfs's size does not
+            bound them, and each costs kernel memory); checked every 50 ms during a call, which is killed
+            past it.
     """
 
     call_timeout_s: float = 10.0
@@ -66,10 +69,11 @@ class WorkspaceLimits:
     max_file_bytes: int = 32 << 20
     max_open_files: int = 256
     max_file_tool_bytes: int = 1 << 20
+    max_inodes: int = 50_000
 
     def __post_init__(self) -> None:
         for name in ("call_timeout_s", "max_output_bytes", "kill_output_bytes", "max_disk_bytes", "max_tmp_bytes",
-                     "memory_mb", "max_file_bytes", "max_open_files", "max_file_tool_bytes"):
+                     "memory_mb", "max_file_bytes", "max_open_files", "max_file_tool_bytes", "max_inodes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"WorkspaceLimits.{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_processes < 1:
@@ -79,7 +83,8 @@ class WorkspaceLimits:
 @dataclass(frozen=True)
 class CommandResult:
     """One ``bash`` call: ``output`` (text, stdout and stderr as written), ``exit_code`` (None when the call
-    was killed before the shell reported one), ``status`` (ok, error, timeout, output_limit, shell_exited),
+    was killed before the shell reported one), ``status`` (ok, error, timeout, output_limit, inode_limit,
+    shell_exited),
     ``omitted_bytes`` (output past the cap) and the shell's working directory afterwards."""
 
     output: str
@@ -100,6 +105,7 @@ class CommandResult:
             "error": f"[exit code {self.exit_code}]",
             "timeout": f"[killed: time limit of {self.limits.call_timeout_s:g} s exceeded]",
             "output_limit": f"[killed: more than {self.limits.kill_output_bytes} bytes of output]",
+            "inode_limit": f"[killed: more than {self.limits.max_inodes} files and directories; remove some]",
             "shell_exited": f"[the shell exited; a new one was started in {self.cwd} (exported variables are lost)]",
         }[self.status])
         if self.restarted and self.status != "shell_exited":
@@ -192,7 +198,8 @@ class Workspace:
                 raise WorkspaceDied("the workspace is closed")
             cap = max_output_bytes or self.limits.max_output_bytes
             return self._shell.run(command, timeout_s=timeout_s or self.limits.call_timeout_s,
-                                   max_output_bytes=cap, kill_output_bytes=max(cap, self.limits.kill_output_bytes))
+                                   max_output_bytes=cap, kill_output_bytes=max(cap, self.limits.kill_output_bytes),
+                                   max_inodes=self.limits.max_inodes)
 
     # -- file tools -------------------------------------------------------------------------------
     def read_file(self, path: str) -> str:
