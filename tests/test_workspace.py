@@ -195,7 +195,7 @@ def test_worker_death_leaves_no_process_or_directory(tmp_path, sig):
     was ever on the host's disk (counted in its TMPDIR, /dev/shm and the sandbox cache)."""
     from agentrl.envs._sandbox_root import _cache_dir
 
-    watched = [tmp_path, "/dev/shm", _cache_dir()]
+    watched = [tmp_path, _cache_dir()]  # (/dev/shm is shared with other users: only the worker's own names)
     before = {str(d): sorted(os.listdir(d)) for d in watched}
     mounts = open("/proc/mounts").read()
     env = {**os.environ, "TMPDIR": str(tmp_path)}
@@ -211,4 +211,5 @@ def test_worker_death_leaves_no_process_or_directory(tmp_path, sig):
         time.sleep(0.05)
     assert _ns_members(namespaces) == []
     assert {str(d): sorted(os.listdir(d)) for d in watched} == before
+    assert [n for n in os.listdir("/dev/shm") if str(worker.pid) in n] == []
     assert open("/proc/mounts").read() == mounts
