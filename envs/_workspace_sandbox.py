@@ -137,7 +137,7 @@ class Shell:
             pid = self._child_pid(status_r, deadline)
             self.init_pidfd = os.pidfd_open(pid) if pid is not None else -1
             if self.init_pidfd < 0 or self.bwrap.wait_exit(0):
-                raise WorkspaceDied(f"the workspace sandbox did not start: {self._startup_error(status_r)}")
+                raise WorkspaceDied(f"the workspace sandbox did not start: {self._startup_error()}")
             self.ns = os.readlink(f"/proc/{pid}/ns/pid")
             self.init_pid = pid
             if self._report(deadline) != b"ready":
@@ -163,7 +163,7 @@ class Shell:
             data += chunk
         return int(found.group(1))
 
-    def _startup_error(self, status_r: int) -> str:
+    def _startup_error(self) -> str:
         out = self._drain_output()
         return out.decode(errors="replace").strip()[-500:] or "no output"
 
@@ -311,7 +311,6 @@ class Shell:
             if reply is None or not reply.startswith(nonce.encode()):  # the shell itself is stuck
                 self.restart(out)
                 reply, restarted = None, True
-        time.sleep(0)
         self._read_output(out)
         exit_code = None
         if reply is not None:

@@ -21,8 +21,9 @@ from typing import Any
 
 from agentrl.envs.base import Message
 from agentrl.envs.coding import CodingEnv
-from agentrl.chat import format_tool_call
 from agentrl.envs.workspace import WorkspaceLimits, make_tar
+
+from agentrl.chat import format_tool_call
 
 __all__ = ["BUG_FAMILIES", "RepoFixEnv", "expert"]
 
@@ -229,27 +230,41 @@ class RepoFixEnv(CodingEnv):
         return passed / task.num_differing if kept else 0.0
 
 
-def expert(seed: int, *, env_kwargs: dict[str, Any] | None = None, tool_parser: str = "hermes") -> list[str]:
-    """The assistant messages of a developer who runs the tests, reads the module, fixes the line, reruns.
+def expert(seed: int, *, env_kwargs: dict[str, Any] | None = None, tool_parser: str = "hermes",
+           steps: str = "full", give_up_prob: float = 0.0, rng_seed: int | None = None) -> list[str]:
+    """The assistant messages of a developer who fixes the bug of the episode ``reset(seed=seed)`` starts.
+
+    ``steps="full"``: run the tests, read the module, ``str_replace`` the line, rerun the tests, answer.
+    ``steps="fix"``: the ``str_replace`` and the answer only (short demonstrations for a tiny model).
+    With probability ``give_up_prob`` it answers at once without fixing anything (reward 0): an
+    imperfect demonstrator whose habit RL has to remove, as in the quickstart.
 
     Example:
         >>> "str_replace" in expert(0)[2]
         True
     """
+    if steps not in ("full", "fix"):
+        raise ValueError(f"expert: steps must be 'full' or 'fix', got {steps!r}")
     env = RepoFixEnv(**(env_kwargs or {}))
     try:
         env.reset(seed=seed)
         task = env.task
     finally:
         env.close()
+    if random.Random(f"expert:{seed}:{rng_seed}").random() < give_up_prob:
+        return ["I could not find the bug."]
     path = f"{task.package}/{task.bugged.module}.py"
+    fix = format_tool_call("str_replace", {"path": path, "old": task.bugged.buggy, "new": task.bugged.correct},
+                           tool_parser)
+    answer = f"Fixed {task.bugged.name} in {path}: `{task.bugged.buggy}` should be `{task.bugged.correct}`."
+    if steps == "fix":
+        return [fix, answer]
     return [
         format_tool_call("bash", {"command": TEST_COMMAND + " 2>&1 | tail -n 12"}, tool_parser),
         format_tool_call("read_file", {"path": path}, tool_parser),
-        format_tool_call("str_replace", {"path": path, "old": task.bugged.buggy, "new": task.bugged.correct},
-                         tool_parser),
+        fix,
         format_tool_call("bash", {"command": TEST_COMMAND + " 2>&1 | tail -n 3"}, tool_parser),
-        f"Fixed {task.bugged.name} in {path}: `{task.bugged.buggy}` should be `{task.bugged.correct}`.",
+        answer,
     ]
 
 

@@ -32,7 +32,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from agentrl.envs._bwrap import check_bwrap
-from agentrl.envs._workspace_sandbox import HIDDEN_PATH, WORKSPACE, Shell, ShellReply, WorkspaceDied, _quote
+from agentrl.envs._workspace_sandbox import (
+    HIDDEN_PATH,
+    WORKSPACE,
+    Shell,
+    ShellReply,
+    WorkspaceDied,
+    _quote,
+)
 
 __all__ = ["HIDDEN_PATH", "WORKSPACE", "CommandResult", "Workspace", "WorkspaceDied", "WorkspaceLimits",
            "make_tar"]

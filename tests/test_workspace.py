@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tarfile
-import textwrap
 import time
 
 import pytest

@@ -17,9 +17,10 @@ import threading
 import time
 
 import pytest
-from agentrl.chat import format_tool_call
 from agentrl.envs.repo_fix import MARKER, RepoFixEnv, expert
 from agentrl.envs.workspace import Workspace, WorkspaceLimits, make_tar
+
+from agentrl.chat import format_tool_call
 
 SECRET = secrets.token_hex(16)
 LIMITS = WorkspaceLimits(call_timeout_s=4.0, max_processes=8, max_disk_bytes=4 << 20, max_tmp_bytes=1 << 20)
