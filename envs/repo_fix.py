@@ -19,6 +19,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from gymnasium.utils import seeding
+
 from agentrl.envs.base import Message
 from agentrl.envs.coding import CodingEnv
 from agentrl.envs.workspace import WorkspaceLimits, make_tar
@@ -230,6 +232,12 @@ class RepoFixEnv(CodingEnv):
         return passed / task.num_differing if kept else 0.0
 
 
+def task_of_seed(seed: int, *, family: str | None = None, num_hidden: int = 8, **_: Any) -> Task:
+    """The task ``reset(seed=seed)`` draws, without starting a workspace (as ``TextEnv.reset`` seeds it)."""
+    np_random, _ = seeding.np_random(seed)
+    return make_task(random.Random(int(np_random.integers(1 << 62))), family, num_hidden)
+
+
 def expert(seed: int, *, env_kwargs: dict[str, Any] | None = None, tool_parser: str = "hermes",
            steps: str = "full", give_up_prob: float = 0.0, rng_seed: int | None = None) -> list[str]:
     """The assistant messages of a developer who fixes the bug of the episode ``reset(seed=seed)`` starts.
@@ -245,12 +253,7 @@ def expert(seed: int, *, env_kwargs: dict[str, Any] | None = None, tool_parser: 
     """
     if steps not in ("full", "fix"):
         raise ValueError(f"expert: steps must be 'full' or 'fix', got {steps!r}")
-    env = RepoFixEnv(**(env_kwargs or {}))
-    try:
-        env.reset(seed=seed)
-        task = env.task
-    finally:
-        env.close()
+    task = task_of_seed(seed, **(env_kwargs or {}))
     if random.Random(f"expert:{seed}:{rng_seed}").random() < give_up_prob:
         return ["I could not find the bug."]
     path = f"{task.package}/{task.bugged.module}.py"
