@@ -212,3 +212,26 @@ def test_worker_death_leaves_no_process_or_directory(tmp_path, sig):
     assert {str(d): sorted(os.listdir(d)) for d in watched} == before
     assert [n for n in os.listdir("/dev/shm") if str(worker.pid) in n] == []
     assert open("/proc/mounts").read() == mounts
+
+
+def test_an_episode_that_crashes_leaves_nothing():
+    """An env whose episode raises is closed by the rollout's ``finally``; one that is merely dropped is
+    closed by the workspace's finalizer when it is collected."""
+    import gc
+
+    from agentrl.envs.repo_fix import RepoFixEnv
+
+    env = RepoFixEnv()
+    env.reset(seed=0)
+    namespaces = {os.readlink(f"/proc/{env.workspace.processes()[0]}/ns/pid")}
+    try:
+        raise RuntimeError("the episode crashed")
+    except RuntimeError:
+        env.close()
+    assert _ns_members(namespaces) == []
+    env = RepoFixEnv()
+    env.reset(seed=1)
+    namespaces = {os.readlink(f"/proc/{env.workspace.processes()[0]}/ns/pid")}
+    del env
+    gc.collect()
+    assert _ns_members(namespaces) == []
