@@ -74,3 +74,18 @@ def test_bad_settings_are_refused():
         RepoFixEnv(family="off_by_on")
     with pytest.raises(ValueError, match="num_hidden"):
         RepoFixEnv(num_hidden=0)
+
+
+def test_astep_grades_a_truncated_episode_too():
+    import asyncio
+
+    env = RepoFixEnv(family="comparison", max_turns=2)
+    env.reset(seed=0)
+    task = env.task
+    path = f"{task.package}/{task.bugged.module}.py"
+    fix = format_tool_call("str_replace", {"path": path, "old": task.bugged.buggy, "new": task.bugged.correct})
+    obs, reward, terminated, truncated, _ = asyncio.run(env.astep(fix))
+    assert "replaced 1 occurrence" in obs[0]["content"] and not (terminated or truncated)
+    _, reward, terminated, truncated, info = asyncio.run(env.astep(format_tool_call("list_dir", {"path": "."})))
+    assert truncated and reward == 1.0 and info["graded"]
+    env.close()
