@@ -307,7 +307,7 @@ class Shell:
                 self._await_shell(time.monotonic() + 10)
         if killed in ("timeout", "output_limit", "inode_limit"):
             self.kill_all(keep_shell=True)
-            reply = self._report(time.monotonic() + 1.0, out)
+            reply = self._report(time.monotonic() + 2.0, out)
             if reply is None or not reply.startswith(nonce.encode()):  # the shell itself is stuck
                 self.restart(out)
                 reply, restarted = None, True
@@ -322,7 +322,8 @@ class Shell:
     def restart(self, out: bytearray | None = None) -> None:
         """Kill every process but the init (the shell too) and wait for the init's new shell."""
         self.kill_all(keep_shell=False)
-        while (report := self._report(time.monotonic() + 5.0, out)) is not None and not report.startswith(b"exited "):
+        deadline = time.monotonic() + 15.0  # (a loaded machine: the init must be scheduled to report)
+        while (report := self._report(deadline, out)) is not None and not report.startswith(b"exited "):
             pass
         if report is None:
             raise WorkspaceDied("the workspace's shell did not exit when killed")
