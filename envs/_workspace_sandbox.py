@@ -213,16 +213,29 @@ class Shell:
         self._read_output(buf)
         return bytes(buf)
 
-    def _await_shell(self, deadline: float) -> None:
-        report = self._report(deadline)
-        if report is None or not report.startswith(b"shell "):
-            raise WorkspaceDied(f"the workspace's shell did not start ({report!r})")
-        nspid = int(report.split()[1])
-        self._set_shell(nspid)
+    def _await_shell(self, deadline: float, out: bytearray | None = None) -> None:
+        """Wait for the init's report of a new shell that is alive, skipping exits and shells already gone.
+
+        When the process budget was full as the init forked, bash retries with sleeps of up to 16 s; a
+        SIGCHLD every half second wakes it (it then gives up that fork, reports, and forks again).
+        """
+        while True:
+            report = self._report(min(deadline, time.monotonic() + 0.5), out)
+            if report is None:
+                if time.monotonic() >= deadline:
+                    raise WorkspaceDied("the workspace's shell did not start")
+                try:
+                    signal.pidfd_send_signal(self.init_pidfd, signal.SIGCHLD)
+                except ProcessLookupError as exc:
+                    raise WorkspaceDied("the workspace's sandbox is gone") from exc
+                continue
+            if report.startswith(b"shell ") and self._set_shell(int(report.split()[1])):
+                break
         if self.cwd != WORKSPACE:  # a new shell after `exit` or a kill: where the last one was
             self._write(f"cd -- {_quote(self.cwd)} </dev/null >/dev/null 2>&1\n".encode(), deadline)
 
-    def _set_shell(self, nspid: int) -> None:
+    def _set_shell(self, nspid: int) -> bool:
+        """Take the init's child ``nspid`` (PID inside) as the shell; False when it is not there (gone)."""
         if self._shell_pidfd >= 0:
             os.close(self._shell_pidfd)
         self._shell_pidfd, self.shell_pid = -1, -1
@@ -230,11 +243,11 @@ class Shell:
             fd = self._pidfd_in_sandbox(pid)
             if fd is None:
                 continue
-            if _nspid(pid) == nspid:
+            if _nspid(pid) == nspid and not _zombie(pid):
                 self._shell_pidfd, self.shell_pid = fd, pid
-                return
+                return True
             os.close(fd)
-        raise WorkspaceDied(f"the workspace's shell (PID {nspid} inside) was not found")
+        return False
 
     # -- commands ---------------------------------------------------------------------------------
     def _write(self, data: bytes, deadline: float, out: bytearray | None = None) -> bool:
@@ -304,7 +317,7 @@ class Shell:
             elif report.startswith(b"exited "):
                 killed, restarted = "shell_exited", True
                 self.shell_restarts += 1
-                self._await_shell(time.monotonic() + 10)
+                self._await_shell(time.monotonic() + 30.0, out)
         if killed in ("timeout", "output_limit", "inode_limit"):
             self.kill_all(keep_shell=True)
             reply = self._report(time.monotonic() + 2.0, out)
@@ -322,13 +335,8 @@ class Shell:
     def restart(self, out: bytearray | None = None) -> None:
         """Kill every process but the init (the shell too) and wait for the init's new shell."""
         self.kill_all(keep_shell=False)
-        deadline = time.monotonic() + 15.0  # (a loaded machine: the init must be scheduled to report)
-        while (report := self._report(deadline, out)) is not None and not report.startswith(b"exited "):
-            pass
-        if report is None:
-            raise WorkspaceDied("the workspace's shell did not exit when killed")
         self.shell_restarts += 1
-        self._await_shell(time.monotonic() + 10)
+        self._await_shell(time.monotonic() + 30.0, out)
 
     # -- processes --------------------------------------------------------------------------------
     def _pidfd_in_sandbox(self, pid: int) -> int | None:
