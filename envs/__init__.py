@@ -1,4 +1,4 @@
-"""Environments: ``TextEnv``, ``ToolEnv`` with ``@tool`` methods, a sandbox, and seven built-in envs.
+"""Environments: ``TextEnv``, ``ToolEnv`` with ``@tool`` methods, a sandbox, per-episode workspaces, and eight built-in envs.
 
 Importing this package registers the built-ins with Gymnasium::
 
@@ -15,14 +15,17 @@ import gymnasium
 
 from agentrl.envs.base import MAX_ACTION_CHARS, ChatMessages, Message, TextEnv, ToolEnv, Turn
 from agentrl.envs.calculator import CalculatorEnv
+from agentrl.envs.coding import CodingEnv
 from agentrl.envs.file_navigator import FileNavigatorEnv
 from agentrl.envs.long_needle import LongNeedleEnv
 from agentrl.envs.long_recall import LongRecallEnv
 from agentrl.envs.python_sandbox import PythonSandboxEnv
+from agentrl.envs.repo_fix import RepoFixEnv
 from agentrl.envs.sandbox import BwrapUnavailableError, SandboxLimits, SandboxResult, run_sandboxed
 from agentrl.envs.search import SearchEnv
 from agentrl.envs.tools import ToolTimeoutError, tool
 from agentrl.envs.wordle import WordleEnv
+from agentrl.envs.workspace import CommandResult, Workspace, WorkspaceDied, WorkspaceLimits, make_tar
 
 __all__ = [
     "BUILTIN_ENV_IDS",
@@ -30,11 +33,14 @@ __all__ = [
     "MAX_ACTION_CHARS",
     "CalculatorEnv",
     "ChatMessages",
+    "CodingEnv",
+    "CommandResult",
     "FileNavigatorEnv",
     "LongNeedleEnv",
     "LongRecallEnv",
     "Message",
     "PythonSandboxEnv",
+    "RepoFixEnv",
     "SandboxLimits",
     "SandboxResult",
     "SearchEnv",
@@ -43,6 +49,10 @@ __all__ = [
     "ToolTimeoutError",
     "Turn",
     "WordleEnv",
+    "Workspace",
+    "WorkspaceDied",
+    "WorkspaceLimits",
+    "make_tar",
     "run_sandboxed",
     "tool",
 ]
@@ -55,6 +65,7 @@ _BUILTINS = {
     "FileNavigator": "agentrl.envs.file_navigator:FileNavigatorEnv",
     "LongRecall": "agentrl.envs.long_recall:LongRecallEnv",
     "LongNeedle": "agentrl.envs.long_needle:LongNeedleEnv",
+    "RepoFix": "agentrl.envs.repo_fix:RepoFixEnv",
 }
 BUILTIN_ENV_IDS = tuple(f"agentrl/{name}-v0" for name in _BUILTINS)
 

@@ -21,6 +21,8 @@ DENIED_SYSCALLS = (
     "keyctl", "add_key", "request_key",
     # large, exploit-prone kernel interfaces
     "bpf", "perf_event_open", "userfaultfd", "io_uring_setup", "io_uring_enter", "io_uring_register",
+    # memory-backed files outside every quota (a tmpfs has a size; a memfd is limited by RLIMIT_FSIZE only)
+    "memfd_create", "memfd_secret",
     # namespaces and mounts (also refused for lack of privilege; this is the second lock)
     "unshare", "setns", "mount", "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen",
     "fsconfig", "fsmount", "fspick", "mount_setattr", "open_by_handle_at", "name_to_handle_at",

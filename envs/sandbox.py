@@ -313,7 +313,7 @@ def _run_bwrap(code: str, limits: SandboxLimits) -> SandboxResult:
 
 
 def _run_bwrap_once(code: str, limits: SandboxLimits) -> SandboxResult:
-    config = encode_config(limits, limits.max_processes + 2, limits.audit_hook_layer)  # + the program, one spare
+    config = encode_config(limits, limits.max_processes + 1, limits.audit_hook_layer)  # + the program itself: exact
     code_fd = _memfd("main.py", code.encode("utf-8", errors="replace"))
     bpf = _seccomp_filter()
     seccomp_fd = None if bpf is None else _memfd("seccomp", bpf)

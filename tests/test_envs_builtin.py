@@ -27,7 +27,8 @@ def make(env_id: str):
 
 def task_of(env) -> tuple:
     """What the seed chose, beyond the first messages (Wordle's first message is always the same)."""
-    return tuple(repr(getattr(env, name, None)) for name in ("expression", "gold", "inputs", "secret", "facts", "pages"))
+    return tuple(repr(getattr(env, name, None)) for name in ("expression", "gold", "inputs", "secret", "facts", "pages",
+                                                              "task"))
 
 
 @pytest.mark.parametrize("env_id", BUILTIN_ENV_IDS)
