@@ -302,19 +302,21 @@ def test_deterministic_runs_train_on_the_same_batches_at_any_concurrency(tiny_mo
     def run(name, *extra):
         cfg = load_config(None, e2e_overrides(tiny_model_dir, tmp_path / name, "train.num_steps=2",
                                               "rollout.temperature=1.0", *extra))
-        start_ray()
         trainer = Trainer(cfg, progress=False)
         try:
             trainer.run()
         finally:
             trainer.shutdown()
-            ray.shutdown()
         steps = [r for r in read_rows(cfg.run_dir) if "train/loss" in r]
         weights = load_file(str(Path(cfg.run_dir) / "checkpoints" / "step_000002" / "learner" / "model" / "model.safetensors"))
         return steps, weights
 
-    with pytest.warns(UserWarning, match="train.deterministic"):
-        runs = [run(f"det{c}", "train.deterministic=true", f"rollout.max_concurrent_groups={c}") for c in (1, 4)]
+    start_ray()  # one Ray instance for both runs (a second start-up is slow on a loaded machine)
+    try:
+        with pytest.warns(UserWarning, match="train.deterministic"):
+            runs = [run(f"det{c}", "train.deterministic=true", f"rollout.max_concurrent_groups={c}") for c in (1, 4)]
+    finally:
+        ray.shutdown()
     (steps_a, w_a), (steps_b, w_b) = runs
     assert [r["replay/staleness_max"] for r in steps_a + steps_b] == [0, 0, 0, 0]
     for a, b in zip(steps_a, steps_b):
