@@ -4,6 +4,7 @@ endpoint trajectories, and three learner steps of a real run through the Agents 
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 
@@ -49,6 +50,10 @@ def real(tiny_model_dir):
     server.run(endpoint.start())
     yield endpoint, recording, server, tiny_model_dir
     server.run(endpoint.stop())
+    # The engine's client holds zmq sockets: left to the garbage collector, its context's term()
+    # blocks whichever later test happens to collect it (the whole suite then hangs).
+    server.loop.call_soon_threadsafe(engine.shutdown)
+    server.run(asyncio.sleep(0.5))
     server.close()
 
 
@@ -130,7 +135,8 @@ def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path):
     from agentrl.trainer import Trainer
     from tests.test_pipeline_e2e import e2e_overrides, read_rows
 
-    if not ray.is_initialized():
+    started = not ray.is_initialized()
+    if started:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": REPO}})
     run_dir = tmp_path / "run"
@@ -143,6 +149,8 @@ def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path):
         stats = ray.get(trainer.rollouts[0].stats.remote())
     finally:
         trainer.shutdown()
+        if started:  # the next test module starts a Ray of its own
+            ray.shutdown()
     steps = [r for r in read_rows(run_dir) if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["rollout/failed_frac"] < 1.0 and r["rollout/segments"] >= 1.0 for r in steps)
