@@ -194,7 +194,11 @@ def test_worker_death_leaves_no_process_or_directory(tmp_path, sig):
     """A worker killed with ``kill -9`` (or terminated) takes its workspaces' processes with it; nothing
     was ever on the host's disk (counted in its TMPDIR, /dev/shm and the sandbox cache)."""
     from agentrl.envs._sandbox_root import _cache_dir
+    from agentrl.envs.workspace import Workspace, WorkspaceLimits
 
+    # The sandbox's root trees are a cache built on first use (keyed by the interpreter and the
+    # sandbox's own code): build them here, so that only what the worker leaves is compared.
+    Workspace(None, WorkspaceLimits(max_processes=8)).close()
     watched = [tmp_path, _cache_dir()]  # (/dev/shm is shared with other users: only the worker's own names)
     before = {str(d): sorted(os.listdir(d)) for d in watched}
     mounts = open("/proc/mounts").read()
