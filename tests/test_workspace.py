@@ -194,11 +194,13 @@ def test_worker_death_leaves_no_process_or_directory(tmp_path, sig):
     """A worker killed with ``kill -9`` (or terminated) takes its workspaces' processes with it; nothing
     was ever on the host's disk (counted in its TMPDIR, /dev/shm and the sandbox cache)."""
     from agentrl.envs._sandbox_root import _cache_dir
-    from agentrl.envs.workspace import Workspace, WorkspaceLimits
-
     # The sandbox's root trees are a cache built on first use (keyed by the interpreter and the
     # sandbox's own code): build them here, so that only what the worker leaves is compared.
-    Workspace(None, WorkspaceLimits(max_processes=8)).close()
+    # (in a process started like the worker: the cache key depends on the interpreter's paths)
+    warm = ("import sys; sys.path[:0] = [{path!r}]; from agentrl.envs.workspace import Workspace, WorkspaceLimits; "
+            "Workspace(None, WorkspaceLimits(max_processes=8)).close()")
+    subprocess.run([sys.executable, "-c", warm.format(path=os.path.dirname(os.path.dirname(__file__)))],
+                   check=True, timeout=300)
     watched = [tmp_path, _cache_dir()]  # (/dev/shm is shared with other users: only the worker's own names)
     before = {str(d): sorted(os.listdir(d)) for d in watched}
     mounts = open("/proc/mounts").read()
