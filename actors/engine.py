@@ -14,13 +14,14 @@ from typing import Any
 
 import ray
 
+from agentrl.actors.watchdog import DIAG_GROUPS, AsyncDiag
 from agentrl.config import EngineConfig
 
 __all__ = ["EngineActor"]
 
 
-@ray.remote
-class EngineActor:
+@ray.remote(concurrency_groups=DIAG_GROUPS)
+class EngineActor(AsyncDiag):
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
                  weight_source: Any = None, enable_sleep_mode: bool = False) -> None:
         """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
@@ -47,7 +48,12 @@ class EngineActor:
                 if refs:
                     # Only object-store refits are staged (CPU tensors): a GPU transport's handle
                     # or broadcast cannot be replayed, and the engine serves its start weights.
-                    weights = await refs[0]
+                    try:
+                        weights = await refs[0]
+                    except ray.exceptions.ObjectLostError:
+                        # Lost with a failed refit; the driver exports again and stages those. The
+                        # start weights' tokens carry version 0: the staleness bound drops them.
+                        weights = None
                     if isinstance(weights, dict):
                         await self.engine.update_weights(weights, version, mode="drain")
             self._started = True
@@ -114,6 +120,10 @@ class EngineActor:
 
     def version(self) -> int:
         return self.engine.version
+
+    def diag_status(self) -> dict[str, Any]:
+        n = self.engine.num_inflight
+        return {"busy": n > 0, "requests_in_flight": n, "version": self.engine.version, "started": self._started}
 
     def num_inflight(self) -> int:
         return self.engine.num_inflight

@@ -13,6 +13,7 @@ from typing import Any
 
 import ray
 
+from agentrl.actors.watchdog import DIAG_GROUPS, SyncDiag
 from agentrl.config import Config
 
 __all__ = ["LearnerActor", "LearnerGroup"]
@@ -22,15 +23,17 @@ def _busy(method: Callable[..., Any]) -> Callable[..., Any]:
     """Marks the learner busy for the call: ``train_step`` reports the idle gap before it."""
     @functools.wraps(method)
     def wrapper(self: LearnerActor, *args: Any, **kwargs: Any) -> Any:
+        self._current = (method.__name__, time.perf_counter())  # what the watchdog's ping reports
         try:
             return method(self, *args, **kwargs)
         finally:
+            self._current = None
             self._idle_since = time.perf_counter()
     return wrapper
 
 
-@ray.remote
-class LearnerActor:
+@ray.remote(concurrency_groups=DIAG_GROUPS)
+class LearnerActor(SyncDiag):
     def __init__(self, cfg: Config, model_path: str, **kwargs: Any) -> None:
         import torch
 
@@ -41,6 +44,7 @@ class LearnerActor:
         self._refit_buf = None
         self._weight_group = None
         self._idle_since: float | None = None  # end of the last call that used the learner
+        self._current: tuple[str, float] | None = None
         self.learner = build_learner(cfg, model_path=model_path, **kwargs)
 
     @_busy
@@ -126,6 +130,12 @@ class LearnerActor:
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def diag_status(self) -> dict[str, Any]:
+        current = self._current
+        if current is None:
+            return {"busy": False, "rank": self.rank}
+        return {"busy": True, "rank": self.rank, "call": current[0], "for_s": round(time.perf_counter() - current[1], 1)}
 
     def version(self) -> int:
         return self.learner.version

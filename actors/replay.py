@@ -7,14 +7,15 @@ from typing import Any
 
 import ray
 
+from agentrl.actors.watchdog import DIAG_GROUPS, AsyncDiag
 from agentrl.replay import ReplayQueue
 from agentrl.trajectory import TrajectoryGroup
 
 __all__ = ["ReplayActor"]
 
 
-@ray.remote
-class ReplayActor:
+@ray.remote(concurrency_groups=DIAG_GROUPS)
+class ReplayActor(AsyncDiag):
     def __init__(self, capacity: int, max_staleness: int, groups_per_step: int, *,
                  wait_for_stragglers: bool = True, task_order: bool = False, dynamic_sampling: bool = False,
                  dynamic_sampling_max_dropped: int = 512) -> None:
@@ -23,6 +24,20 @@ class ReplayActor:
                                  dynamic_sampling_max_dropped=dynamic_sampling_max_dropped)
         self._cond: asyncio.Condition | None = None
         self._staged: tuple[int, list[Any]] = (0, [])  # (version, [ObjectRef]) wrapped: not resolved
+        self._owned: dict[str, list[int]] = {}  # tickets in flight by the rollout actor that holds them
+
+    def diag_status(self) -> dict[str, Any]:
+        return {"queued": len(self.queue), "in_flight": self.queue.in_flight,
+                "weights_version": self.queue.weights_version}
+
+    def _own(self, owner: str | None, ticket: int, add: bool) -> None:
+        if owner is None:
+            return
+        held = self._owned.setdefault(owner, [])
+        if add:
+            held.append(ticket)
+        elif ticket in held:
+            held.remove(ticket)
 
     @property
     def cond(self) -> asyncio.Condition:
@@ -30,24 +45,40 @@ class ReplayActor:
             self._cond = asyncio.Condition()
         return self._cond
 
-    async def admit(self) -> int:
+    async def admit(self, owner: str | None = None) -> int:
         """Wait for admission (staleness bound and capacity), then reserve a slot; returns the
-        ticket that the matching put or release hands back."""
+        ticket that the matching put or release hands back. ``owner``: the rollout actor asking,
+        whose slots :meth:`abandon` gives back if it dies."""
         async with self.cond:
             await self.cond.wait_for(self.queue.can_admit)
-            return self.queue.admit()
+            ticket = self.queue.admit()
+            self._own(owner, ticket, True)
+            return ticket
 
-    async def put(self, group: TrajectoryGroup, ticket: int) -> bool:
-        """Queue a finished group (False: dynamic sampling dropped it and its slot is free again)."""
+    async def put(self, group: TrajectoryGroup, ticket: int, owner: str | None = None) -> bool:
+        """Queue a finished group (False: dynamic sampling dropped it and its slot is free again).
+        A put without a matching admission raises and leaves the queue as it was."""
         async with self.cond:
             queued = self.queue.put(group, ticket)
+            self._own(owner, ticket, False)
             self.cond.notify_all()  # a dropped group frees its slot: a waiting admission goes on
             return queued
 
-    async def release(self, ticket: int) -> None:
+    async def release(self, ticket: int, owner: str | None = None) -> None:
         async with self.cond:
             self.queue.release(ticket)
+            self._own(owner, ticket, False)
             self.cond.notify_all()
+
+    async def abandon(self, owner: str) -> int:
+        """Give back every slot ``owner`` (a rollout actor that died) still held; returns how many
+        groups were lost with it (``replay/abandoned``)."""
+        async with self.cond:
+            tickets = self._owned.pop(owner, [])
+            for ticket in tickets:
+                self.queue.abandon(ticket)
+            self.cond.notify_all()
+            return len(tickets)
 
     async def take(self, num_groups: int, learner_version: int) -> list[TrajectoryGroup]:
         async with self.cond:

@@ -12,6 +12,7 @@ from typing import Any
 import anyio
 import ray
 
+from agentrl.actors.watchdog import DIAG_GROUPS, AsyncDiag
 from agentrl.config import Config
 
 __all__ = ["RolloutActor", "Router"]
@@ -47,12 +48,15 @@ class Router:
             self.load[i] -= 1
 
 
-@ray.remote
-class RolloutActor:
+@ray.remote(concurrency_groups=DIAG_GROUPS)
+class RolloutActor(AsyncDiag):
     def __init__(self, cfg: Config, engines: list[Any], replay: Any, actor_index: int, model_path: str,
-                 teachers: list[Any] | None = None) -> None:
+                 teachers: list[Any] | None = None, *, owner: str | None = None, first_task: int = 0) -> None:
         """``teachers``: on-policy distillation, the teacher's engine actors; every finished group
-        is scored by them (round-robin over trajectories) before it goes to the replay queue."""
+        is scored by them (round-robin over trajectories) before it goes to the replay queue.
+        ``owner``: the name its replay slots are held under (the driver gives them back if this
+        actor dies); ``first_task``: a replacement actor starts its task seeds past its
+        predecessor's, so no task is generated twice."""
         import gymnasium as gym
         from transformers import AutoTokenizer
 
@@ -95,9 +99,11 @@ class RolloutActor:
         if self.agent is None:
             self.make_env().close()  # fail fast on a bad env id or kwargs
         self._stop = False
-        self._tasks = itertools.count()
+        self._tasks = itertools.count(first_task)
+        self.owner = owner
         self.num_groups = 0
         self.num_failed_groups = 0
+        self.num_in_flight = 0
 
     async def endpoint(self):
         """This worker's OpenAI-compatible endpoint (agent mode), started on first use."""
@@ -136,34 +142,40 @@ class RolloutActor:
         from agentrl.replay import zero_spread
 
         while not self._stop:
-            ticket = await self.replay.admit.remote()
+            ticket = await self.replay.admit.remote(self.owner)
             if self._stop:
-                await self.replay.release.remote(ticket)
+                await self.replay.release.remote(ticket, self.owner)
                 return
             seed = self._next_seed()
             gid = seed
+            self.num_in_flight += 1
             try:
                 group = await self._group(seed, gid)
             except Exception:
                 self.num_failed_groups += 1
-                await self.replay.release.remote(ticket)
+                await self.replay.release.remote(ticket, self.owner)
                 continue
             finally:
+                self.num_in_flight -= 1
                 for i in range(self.cfg.rollout.group_size):
                     self.router.end_episode(f"g{gid}-e{i}")
             if not group.trainable():  # every episode failed (e.g. its engine died): nothing to learn
                 self.num_failed_groups += 1
-                await self.replay.release.remote(ticket)
+                await self.replay.release.remote(ticket, self.owner)
                 continue
             if self.teachers and not (self.cfg.replay.dynamic_sampling and zero_spread(group)):
                 try:
                     await self._score(group)
                 except Exception:  # a teacher engine died: the group cannot be distilled
                     self.num_failed_groups += 1
-                    await self.replay.release.remote(ticket)
+                    await self.replay.release.remote(ticket, self.owner)
                     continue
-            await self.replay.put.remote(group, ticket)
+            await self.replay.put.remote(group, ticket, self.owner)
             self.num_groups += 1
+
+    def diag_status(self) -> dict[str, Any]:
+        return {"busy": self.num_in_flight > 0, "groups_in_flight": self.num_in_flight,
+                "groups_done": self.num_groups, "groups_failed": self.num_failed_groups}
 
     async def _score(self, group) -> None:
         from agentrl.distill import score_group

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import anyio
 
 from agentrl.config import AgentConfig, ConfigError, RolloutConfig
+from agentrl.rollout import OVER_BUDGET
 from agentrl.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = ["Agent", "TaskSource", "load_agent", "load_function", "run_agent_episode", "run_agent_group"]
@@ -170,7 +171,11 @@ async def run_agent_episode(agent: Agent, endpoint: Any, task: Any, *, episode_i
     reward, status, info = 0.0, "ok", {}
     try:
         with anyio.fail_after(agent.cfg.timeout_s):
-            reward = await _call_agent(agent, ep, task)
+            # rollout.max_episode_s: the agent is cancelled and the episode keeps what it recorded
+            with anyio.move_on_after(rollout.max_episode_s if rollout.max_episode_s else float("inf")) as wall:
+                reward = await _call_agent(agent, ep, task)
+            if wall.cancelled_caught:
+                ep.truncated_by = ep.truncated_by or "wall_time"
     except TimeoutError:
         status, info["error"] = "failed", f"the agent did not return within {agent.cfg.timeout_s:g} s (agent.timeout_s)"
     except Exception as exc:  # the user's agent may raise anything: count the episode, drop it
@@ -183,7 +188,7 @@ async def run_agent_episode(agent: Agent, endpoint: Any, task: Any, *, episode_i
         status, info["error"] = "failed", "the agent made no completion request"
     if status != "failed" and ep.truncated_by is not None:
         status, info["truncated_by"] = "truncated", ep.truncated_by
-        if ep.truncated_by == "tokens":
+        if ep.truncated_by in OVER_BUDGET:
             info["success"] = False
             if rollout.overlong == "zero_reward":
                 reward = 0.0

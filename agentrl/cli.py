@@ -11,6 +11,7 @@ import json
 import sys
 
 from agentrl.config import ConfigError, load_config
+from agentrl.watchdog import RunStopped
 
 __all__ = ["main"]
 
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"agentrl: {err}", file=sys.stderr)
         return 2
+    except RunStopped as err:  # a fault the run could not recover from: the message says which
+        print(f"agentrl: {err}", file=sys.stderr)
+        return 3
     except FileNotFoundError as err:
         print(f"agentrl: {err}", file=sys.stderr)
         return 2

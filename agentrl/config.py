@@ -43,6 +43,7 @@ __all__ = [
     "SFTConfig",
     "TrainConfig",
     "WandbConfig",
+    "WatchdogConfig",
     "apply_overrides",
     "load_config",
     "resolve_fast_options",
@@ -165,6 +166,17 @@ class RolloutConfig(Section):
     depend on which other requests the engine batches with it. An int: every request samples with
     its own seed, derived from this, the episode (task seed and index) and the turn, so the same
     prompt on the same weights samples the same tokens at any load (`train.deterministic` sets it)."""
+    max_episode_s: float | None = Field(None, gt=0)
+    """Wall-time budget of one episode (reset, every model call and tool call). An episode past it
+    ends as truncated (`info["truncated_by"] == "wall_time"`) with the turns it finished, so one
+    runaway agent cannot hold its group (and the batch) hostage. None: no budget."""
+    max_model_calls: int | None = Field(None, ge=1)
+    """Model calls one episode may make (agent mode: requests to the endpoint; env mode: turns,
+    like max_turns). Past it the episode ends as truncated (`truncated_by == "model_calls"`)."""
+    max_episode_tokens: int | None = Field(None, ge=1)
+    """Sampled tokens one episode may make over all its turns (the prompt and tool outputs do not
+    count; max_total_tokens caps the whole). Past it the episode ends as truncated
+    (`truncated_by == "sampled_tokens"`). None: no budget."""
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
     tool_parser: str = "auto"
@@ -533,6 +545,37 @@ class DistillConfig(Section):
         return self.teacher is not None
 
 
+class WatchdogConfig(Section):
+    """Deadlines on every wait of the driver (a batch, a learner step, a refit, engine sleep/wake,
+    a checkpoint), derived from the run's own recent durations of that wait."""
+
+    enabled: bool = True
+    """Watch the driver's waits. When a deadline passes the run prints what it waited for, which
+    actors answer a ping, and the Python stacks of those that do not (py-spy) or are busy, then
+    recovers (restarts a frozen engine or a lost rollout actor) or stops with a message."""
+    floor_s: float = Field(300.0, gt=0)
+    """No deadline is shorter than this. The first waits of a kind (engine start-up, the first
+    step, compilation) have no history and get `first_s`."""
+    first_s: float = Field(900.0, gt=0)
+    """Deadline of a wait of a kind seen fewer than `min_samples` times."""
+    factor: float = Field(5.0, ge=1)
+    """Deadline = max(floor_s, factor x the `quantile` of the last `window` durations of that kind)."""
+    quantile: float = Field(0.9, gt=0, le=1)
+    """Which quantile of recent durations the factor multiplies."""
+    window: int = Field(50, ge=1)
+    """Recent durations kept per kind of wait."""
+    min_samples: int = Field(3, ge=1)
+    """Durations of a kind needed before it gets a deadline from them."""
+    ping_timeout_s: float = Field(10.0, gt=0)
+    """How long an actor has to answer the diagnosis ping before it is judged unresponsive."""
+    max_recoveries: int = Field(3, ge=0)
+    """Recoveries (an actor restarted, its work resubmitted) in one wait before the run stops."""
+    deadlines: dict[Literal["batch", "learner_step", "refit", "engine_sleep", "engine_wake", "checkpoint",
+                            "eval"], float] = Field(default_factory=dict)
+    """Fixed deadlines (seconds) by kind of wait, replacing the derived ones, e.g.
+    `{learner_step: 3600}` for a learner known to take long."""
+
+
 class TrainConfig(Section):
     num_steps: int = Field(10, ge=0)
     """Learner steps (optimizer steps) to run."""
@@ -669,6 +712,7 @@ class Config(Section):
     refit: RefitConfig = Field(default_factory=RefitConfig)
     colocate: ColocateConfig = Field(default_factory=ColocateConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     agent: AgentConfig = Field(default_factory=AgentConfig)

@@ -155,6 +155,7 @@ class EndpointEpisode:
     error: str | None = None
     num_requests: int = 0
     num_tool_calls: int = 0  # tool calls returned to the agent
+    num_sampled: int = 0  # tokens sampled for this episode (rollout.max_episode_tokens)
 
 
 class _QuietServer(uvicorn.Server):
@@ -334,6 +335,17 @@ class AgentEndpoint:
                 ep.truncated_by = ep.truncated_by or "turns"
                 raise ApiError(400, f"this episode already made {rec.num_completions} completions "
                                f"(rollout.max_turns = {self.rollout.max_turns})", code="turn_limit_exceeded")
+            calls = self.rollout.max_model_calls
+            if calls is not None and rec.num_completions >= calls:
+                ep.truncated_by = ep.truncated_by or "model_calls"
+                raise ApiError(400, f"this episode already made {rec.num_completions} model calls "
+                               f"(rollout.max_model_calls = {calls})", code="model_call_budget_exceeded")
+            left = None if self.rollout.max_episode_tokens is None else self.rollout.max_episode_tokens - ep.num_sampled
+            if left is not None and left <= 0:
+                ep.truncated_by = ep.truncated_by or "sampled_tokens"
+                raise ApiError(400, f"this episode already sampled {ep.num_sampled} tokens "
+                               f"(rollout.max_episode_tokens = {self.rollout.max_episode_tokens})",
+                               code="token_budget_exceeded")
             try:
                 prep = rec.prepare(req.messages, req.tools)
             except MessageError as exc:
@@ -345,7 +357,7 @@ class AgentEndpoint:
                                f"{self.limit} (rollout.max_total_tokens, engine.max_model_len)", param="messages",
                                code="context_length_exceeded")
             asked = min(x for x in (req.max_completion_tokens, req.max_tokens, self.rollout.max_new_tokens) if x)
-            budget = min(asked, room)
+            budget = min(asked, room, left if left is not None else room)
             temperature = ep.temperature
             if self.agent.temperature == "request" and req.temperature is not None:
                 temperature = req.temperature
@@ -359,6 +371,7 @@ class AgentEndpoint:
             if ep.closed:  # the agent was cancelled (timeout) while the engine sampled
                 raise ApiError(401, "the episode has ended", type="authentication_error", code="invalid_api_key")
             tokens, logprobs, versions = list(out.token_ids), list(out.logprobs), list(out.versions)
+            ep.num_sampled += len(tokens)
             stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
             cut = cut_at_stop(self.renderer.decode, tokens, stops)
             closed = bool(tokens) and tokens[-1] in self.renderer.stop_token_ids
@@ -372,6 +385,8 @@ class AgentEndpoint:
                 finish = "stop" if closed else "length"
                 if not closed and len(tokens) >= budget and budget == room:
                     ep.truncated_by = "tokens"  # cut by the episode's token limit, not by max_tokens
+                elif not closed and len(tokens) >= budget and left is not None and budget == left:
+                    ep.truncated_by = "sampled_tokens"  # cut by the episode's sampled-token budget
             message: dict[str, Any] = {"role": "assistant", "content": text}
             if req.tools and req.tool_choice != "none" and cut is None:
                 parsed = self.tool_parser.parse(text)

@@ -72,6 +72,7 @@ class ReplayStats:
     consumed: int = 0
     dropped_stale: int = 0
     released: int = 0
+    abandoned: int = 0  # of the released: slots of a rollout actor that died with its groups in flight
     dynamic_dropped: int = 0  # groups dropped by dynamic sampling (raw rewards tie)
     dynamic_dropped_trajectories: int = 0
     dynamic_dropped_since_take: int = 0
@@ -150,6 +151,12 @@ class ReplayQueue:
         """Give back a slot whose group was abandoned (engine died, shutdown)."""
         self._return_ticket(ticket, "release")
         self.stats.released += 1
+
+    def abandon(self, ticket: int) -> None:
+        """Give back the slot of a group lost with the rollout actor that was making it (counted
+        apart, as ``replay/abandoned``: lost work is never silent)."""
+        self.release(ticket)
+        self.stats.abandoned += 1
 
     def put(self, group: TrajectoryGroup, ticket: int) -> bool:
         """Add a finished group; it always fits, since admission reserved its place. With dynamic
@@ -231,6 +238,8 @@ class ReplayQueue:
             "replay/consumed": float(s.consumed),
             "replay/dropped_stale": float(s.dropped_stale),
             "replay/released": float(s.released),
+            "replay/abandoned": float(s.abandoned),
+            "replay/put": float(s.put),
             "replay/weights_version": float(self.weights_version),
         } | ({
             "replay/dynamic_dropped": float(s.dynamic_dropped),
@@ -253,6 +262,7 @@ class ReplayQueue:
                 "consumed": s.consumed,
                 "dropped_stale": s.dropped_stale,
                 "released": s.released,
+                "abandoned": s.abandoned,
                 "dynamic_dropped": s.dynamic_dropped,
                 "dynamic_dropped_trajectories": s.dynamic_dropped_trajectories,
                 "generated_lengths": dict(s.generated_lengths),
@@ -266,7 +276,7 @@ class ReplayQueue:
         st = state["stats"]
         self.stats = ReplayStats(
             admitted=st["admitted"], put=st["put"], consumed=st["consumed"], dropped_stale=st["dropped_stale"],
-            released=st["released"], dynamic_dropped=st.get("dynamic_dropped", 0),
+            released=st["released"], abandoned=st.get("abandoned", 0), dynamic_dropped=st.get("dynamic_dropped", 0),
             dynamic_dropped_trajectories=st.get("dynamic_dropped_trajectories", 0),
             generated_lengths=Counter(st["generated_lengths"]),
             consumed_lengths=Counter(st["consumed_lengths"]),

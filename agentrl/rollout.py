@@ -17,7 +17,7 @@ from agentrl.chat import ChatRenderer
 from agentrl.config import RolloutConfig
 from agentrl.trajectory import Trajectory, TrajectoryGroup
 
-__all__ = ["EngineClient", "EpisodeFailed", "cap_tool_outputs", "request_seed", "run_episode", "run_group",
+__all__ = ["OVER_BUDGET", "EngineClient", "EpisodeFailed", "cap_tool_outputs", "request_seed", "run_episode", "run_group",
            "summarize", "widen_env_threads"]
 
 
@@ -41,6 +41,10 @@ def request_seed(sampling_seed: int, episode_id: str, turn: int) -> int:
     """
     digest = hashlib.sha256(f"{sampling_seed}:{episode_id}:{turn}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+OVER_BUDGET = ("tokens", "wall_time", "model_calls", "sampled_tokens")
+"""``info["truncated_by"]`` values of an episode cut short by a limit (trained as ``rollout.overlong``)."""
 
 
 class EpisodeFailed(RuntimeError):
@@ -131,6 +135,11 @@ async def run_episode(
     ``info["truncated_by"] == "tokens"`` (the turn the limit cut short is kept, closed, and never
     sent to the env), and ``cfg.overlong`` decides what it is trained as. An episode that runs out
     of turns ends as ``truncated`` with ``info["truncated_by"] == "turns"``.
+
+    Per-episode budgets (``cfg.max_episode_s``, ``cfg.max_model_calls``, ``cfg.max_episode_tokens``)
+    end an episode as ``truncated`` by ``"wall_time"``, ``"model_calls"`` or ``"sampled_tokens"``
+    with the turns it finished (a turn cut short is kept, closed, rewarded 0 and never sent to the
+    env) and are trained as ``cfg.overlong`` says, like an episode cut by the token limit.
     """
     env_id = getattr(getattr(env, "spec", None), "id", "") or ""
     traj_info: dict[str, Any] = {}
@@ -141,51 +150,75 @@ async def run_episode(
     ep = _Episode([], [], [], [])
     temp = cfg.temperature if temperature is None else temperature
     limit = min(cfg.max_total_tokens, max_model_len or cfg.max_total_tokens)
+    sampled = 0  # tokens sampled over all turns (rollout.max_episode_tokens)
+    wall = anyio.CancelScope(deadline=anyio.current_time() + cfg.max_episode_s if cfg.max_episode_s else float("inf"))
+
+    def cut(by: str) -> None:
+        nonlocal status
+        status, traj_info["truncated_by"] = "truncated", by
+
     try:
-        obs, info = await _env_call(env.reset, seed=seed, timeout=env_timeout)
-        ep.extend(renderer.prompt_ids(obs, info.get("tools")), sampled=False)
-        if len(ep.ids) >= limit:
-            raise EpisodeFailed(f"prompt of {len(ep.ids)} tokens leaves no room (rollout.max_total_tokens = "
-                                f"{cfg.max_total_tokens}, engine.max_model_len = {max_model_len})")
-        for turn in range(cfg.max_turns):
-            budget = min(cfg.max_new_tokens, limit - len(ep.ids))
-            # rollout.sampling_seed: the request's own seed (its tokens then do not depend on its batch-mates)
-            seeded = {} if cfg.sampling_seed is None else {"seed": request_seed(cfg.sampling_seed, episode_id, turn)}
-            try:
-                extra = {"min_tokens": min(cfg.min_new_tokens, budget)} if cfg.min_new_tokens else {}
-                out = await client.generate(
-                    ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id,
-                    **seeded, **extra
-                )
-            except Exception as exc:  # the engine died or refused: drop the episode, count it
-                raise EpisodeFailed(f"engine error: {type(exc).__name__}: {str(exc)[:200]}") from exc
-            start = len(ep.ids)
-            ep.extend(out.token_ids, sampled=True, logprobs=out.logprobs, versions=out.versions)
-            spans.append((start, len(ep.ids)))
-            ended = bool(out.token_ids) and out.token_ids[-1] in renderer.stop_token_ids
-            if budget < cfg.max_new_tokens and not ended and len(out.token_ids) >= budget:
-                # Cut by the token limit, not by the per-turn cap: an unfinished action is never
-                # scored or run as if complete.
-                rewards.append(0.0)
-                status, traj_info["truncated_by"] = "truncated", "tokens"
-                break
-            text = renderer.decode(out.token_ids)
-            obs, reward, terminated, truncated, step_info = await _env_step(env, text, env_timeout)
-            rewards.append(float(reward))
-            num_tool_calls += int(step_info.get("num_tool_calls", 0))
-            traj_info.update({k: v for k, v in step_info.items() if k in ("success", "error", "answer")})
-            if terminated:
-                break
-            if truncated or turn == cfg.max_turns - 1:
-                status, traj_info["truncated_by"] = "truncated", "turns"
-                break
-            # Close an assistant turn that hit max_tokens, then the observation delta.
-            closing = [] if ended else [renderer.end_of_turn_id]
-            delta = closing + renderer.observation_delta_ids(cap_tool_outputs(obs, renderer, cfg.max_observation_tokens))
-            if len(ep.ids) + len(delta) >= limit:
-                status, traj_info["truncated_by"] = "truncated", "tokens"
-                break
-            ep.extend(delta, sampled=False)
+        with wall:
+            obs, info = await _env_call(env.reset, seed=seed, timeout=env_timeout)
+            ep.extend(renderer.prompt_ids(obs, info.get("tools")), sampled=False)
+            if len(ep.ids) >= limit:
+                raise EpisodeFailed(f"prompt of {len(ep.ids)} tokens leaves no room (rollout.max_total_tokens = "
+                                    f"{cfg.max_total_tokens}, engine.max_model_len = {max_model_len})")
+            for turn in range(cfg.max_turns):
+                budget = min(cfg.max_new_tokens, limit - len(ep.ids))
+                left = None if cfg.max_episode_tokens is None else cfg.max_episode_tokens - sampled
+                if left is not None and left <= 0:
+                    cut("sampled_tokens")
+                    break
+                if left is not None:
+                    budget = min(budget, left)
+                # rollout.sampling_seed: the request's own seed (its tokens then do not depend on its batch-mates)
+                seeded = {} if cfg.sampling_seed is None else {"seed": request_seed(cfg.sampling_seed, episode_id, turn)}
+                try:
+                    extra = {"min_tokens": min(cfg.min_new_tokens, budget)} if cfg.min_new_tokens else {}
+                    out = await client.generate(
+                        ep.ids, max_tokens=budget, temperature=temp, top_p=cfg.top_p, episode_id=episode_id,
+                        **seeded, **extra
+                    )
+                except Exception as exc:  # the engine died or refused: drop the episode, count it
+                    raise EpisodeFailed(f"engine error: {type(exc).__name__}: {str(exc)[:200]}") from exc
+                start = len(ep.ids)
+                ep.extend(out.token_ids, sampled=True, logprobs=out.logprobs, versions=out.versions)
+                spans.append((start, len(ep.ids)))
+                sampled += len(out.token_ids)
+                ended = bool(out.token_ids) and out.token_ids[-1] in renderer.stop_token_ids
+                if budget < cfg.max_new_tokens and not ended and len(out.token_ids) >= budget:
+                    # Cut by the token limit or budget, not by the per-turn cap: an unfinished action
+                    # is never scored or run as if complete.
+                    rewards.append(0.0)
+                    cut("sampled_tokens" if left is not None and budget == left else "tokens")
+                    break
+                text = renderer.decode(out.token_ids)
+                obs, reward, terminated, truncated, step_info = await _env_step(env, text, env_timeout)
+                rewards.append(float(reward))
+                num_tool_calls += int(step_info.get("num_tool_calls", 0))
+                traj_info.update({k: v for k, v in step_info.items() if k in ("success", "error", "answer")})
+                if terminated:
+                    break
+                if truncated or turn == cfg.max_turns - 1:
+                    cut("turns")
+                    break
+                if cfg.max_model_calls is not None and turn + 1 >= cfg.max_model_calls:
+                    cut("model_calls")
+                    break
+                # Close an assistant turn that hit max_tokens, then the observation delta.
+                closing = [] if ended else [renderer.end_of_turn_id]
+                delta = closing + renderer.observation_delta_ids(cap_tool_outputs(obs, renderer, cfg.max_observation_tokens))
+                if len(ep.ids) + len(delta) >= limit:
+                    cut("tokens")
+                    break
+                ep.extend(delta, sampled=False)
+        if wall.cancelled_caught:  # rollout.max_episode_s passed mid-reset, mid-generation or mid-tool
+            if not spans:
+                raise EpisodeFailed(f"the episode's wall-time budget ({cfg.max_episode_s:g} s, rollout.max_episode_s) "
+                                    "passed before its first turn")
+            rewards += [0.0] * (len(spans) - len(rewards))  # a turn whose tool call was cut off
+            cut("wall_time")
     except EpisodeFailed as exc:
         status = "failed"
         traj_info["error"] = str(exc)
@@ -193,7 +226,7 @@ async def run_episode(
         traj_info.setdefault("success", bool(traj_info.get("success", False)))
     # The env's own rewards, before the overlong shaping below: dynamic sampling filters on these.
     traj_info["raw_reward"] = float(sum(rewards))
-    if traj_info.get("truncated_by") == "tokens":
+    if traj_info.get("truncated_by") in OVER_BUDGET:
         traj_info["success"] = False
         if cfg.overlong == "zero_reward":
             rewards = [0.0] * len(rewards)
@@ -272,6 +305,10 @@ def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
         "rollout/failed_frac": (len(trajectories) - len(ok)) / len(trajectories),
         "rollout/truncated_frac": sum(t.status == "truncated" for t in ok) / n,
         "rollout/overlong_frac": sum(t.info.get("truncated_by") == "tokens" for t in ok) / n,
+        # cut by a per-episode budget (rollout.max_episode_s, max_model_calls, max_episode_tokens)
+        "rollout/over_budget_frac": sum(t.info.get("truncated_by") in OVER_BUDGET[1:] for t in ok) / n,
+        **{f"rollout/over_budget_{by}": float(sum(t.info.get("truncated_by") == by for t in trajectories))
+           for by in OVER_BUDGET[1:] if any(t.info.get("truncated_by") == by for t in trajectories)},
         "rollout/tokens_max": float(max((len(t) for t in ok), default=0)),
         **({"rollout/segments": sum(t.info["num_segments"] for t in ok if "num_segments" in t.info) / n}
            if segmented else {}),

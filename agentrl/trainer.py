@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 import time
 import uuid
 import warnings
@@ -27,6 +28,7 @@ from agentrl.metrics import MetricsLogger, require_wandb
 from agentrl.models import resolve_model_path as _resolve_model_path
 from agentrl.refit import resolve_transport
 from agentrl.rollout import summarize
+from agentrl.watchdog import ActorReport, RunStalled, RunStopped
 
 __all__ = ["Trainer"]
 
@@ -89,6 +91,14 @@ class Trainer:
         self.transport = "object_store"
         self.sleeping_engines = False
         self.gpu_memory: dict[str, Any] = {}
+        self.watchdog: Any = None  # agentrl.actors.watchdog.Watchdog, once the actors are up
+        self.rollouts: list[Any] = []
+        self.runs: list[Any] = []  # each rollout actor's run() call
+        self.rollout_generation: list[int] = []  # replacements of each rollout actor so far
+        self.num_rollout_restarts = 0
+        self.num_engine_restarts = 0
+        self.num_refit_retries = 0
+        self.num_abandoned_groups = 0
 
     # -- actors -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -162,13 +172,137 @@ class Trainer:
             self._init_weight_group()
         if self.resume:
             self._restore()
-        self.rollouts = [
-            RolloutActor.options(num_cpus=0, resources=cfg.rollout.resources).remote(
-                cfg, self.engines, self.replay, i, self.model_path, self.teachers)
-            for i in range(cfg.rollout.num_actors)
-        ]
+        self.rollout_generation = [0] * cfg.rollout.num_actors
+        self.rollouts = [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
         ray.get([r.node_id.remote() for r in self.rollouts])  # constructed (tokenizer, env checked)
         self.actors_started = True
+        from agentrl.actors.watchdog import Watchdog
+
+        self.watchdog = Watchdog(cfg.watchdog, self.named_actors, self.run_dir / "watchdog")
+        self.watchdog.learn_pids()  # a frozen actor's stacks are read by pid
+
+    def _make_rollout(self, i: int) -> Any:
+        from agentrl.actors.rollout import RolloutActor
+
+        gen = self.rollout_generation[i]
+        # A replacement starts its task seeds far past its predecessor's: no task is generated twice.
+        return RolloutActor.options(num_cpus=0, resources=self.cfg.rollout.resources).remote(
+            self.cfg, self.engines, self.replay, i, self.model_path, self.teachers,
+            owner=f"rollout{i}.{gen}", first_task=gen * 1_000_000)
+
+    def named_actors(self) -> dict[str, Any]:
+        """Every actor of the run by name (what the watchdog pings)."""
+        named = {"replay": self.replay}
+        named.update({f"learner{i}": a for i, a in enumerate(self.learner.actors)})
+        named.update({f"engine{i}": e for i, e in enumerate(self.engines)})
+        named.update({f"rollout{i}": r for i, r in enumerate(self.rollouts)})
+        named.update({f"teacher{i}": t for i, t in enumerate(self.teachers)})
+        return named
+
+    # -- recovery ---------------------------------------------------------------------------------
+    def _replace_rollout(self, i: int, why: str) -> None:
+        """A rollout actor died or froze: kill it, give its replay slots back (its groups in flight
+        are lost, counted as replay/abandoned) and start a new one in its place."""
+        old, owner = self.rollouts[i], f"rollout{i}.{self.rollout_generation[i]}"
+        with contextlib.suppress(Exception):
+            ray.kill(old, no_restart=True)
+        lost = ray.get(self.replay.abandon.remote(owner))
+        self.num_abandoned_groups += lost
+        self.rollout_generation[i] += 1
+        self.rollouts[i] = self._make_rollout(i)
+        if self.runs:
+            self.runs[i] = self.rollouts[i].run.remote()
+        self.num_rollout_restarts += 1
+        print(f"agentrl: rollout actor {i} {why}: replaced; {lost} group(s) it had in flight were lost "
+              "(replay/abandoned)", file=sys.stderr, flush=True)
+
+    def _check_rollouts(self) -> None:
+        """Replace a rollout actor whose run() ended by its death; stop on one that raised."""
+        for i, ref in enumerate(self.runs):
+            if ref is None or not ray.wait([ref], timeout=0)[0]:
+                continue
+            try:
+                ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                self._replace_rollout(i, f"died ({type(exc).__name__})")
+                continue
+            except Exception as exc:
+                raise RunStopped(f"rollout actor {i} stopped with an error: {type(exc).__name__}: "
+                                 f"{str(exc)[:2000]}") from exc
+            raise RunStopped(f"rollout actor {i} returned from run() while training went on")
+
+    def _kill_frozen(self, report: ActorReport, handle: Any) -> None:
+        """Kill an unresponsive actor's process. Ray's kill asks the process to exit, which a
+        frozen (SIGSTOPped, GIL-deadlocked) process cannot do; SIGKILL by pid does."""
+        import signal
+
+        import psutil
+
+        with contextlib.suppress(Exception):
+            ray.kill(handle, no_restart=False)
+        if report.pid is None:
+            return
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(report.pid)
+            if proc.name().startswith("ray::") or "ray::" in " ".join(proc.cmdline()[:1]):
+                os.kill(report.pid, signal.SIGKILL)
+
+    def _recover(self, reports: list[ActorReport]) -> bool:
+        """What the watchdog can do about a stall: restart frozen engines (Ray restarts them; they
+        load the staged weights) and replace frozen or dead rollout actors. False where nothing
+        it may restart is at fault (the learner or the replay queue: their state would be lost)."""
+        acted = False
+        named = self.named_actors()
+        for r in reports:
+            if r.name.startswith(("engine", "teacher")) and r.state == "unresponsive":
+                self._kill_frozen(r, named[r.name])
+                self.num_engine_restarts += 1
+                r.action, acted = "killed; Ray restarts it and it loads the current weights", True
+            elif r.name.startswith(("engine", "teacher")) and r.state == "dead":
+                r.action, acted = "restarting (Ray)", True
+            elif r.name.startswith("rollout") and r.state in ("unresponsive", "dead"):
+                if r.state == "unresponsive":
+                    self._kill_frozen(r, named[r.name])
+                self._replace_rollout(int(r.name[len("rollout"):]), "was " + r.state)
+                r.action, acted = "replaced; its groups in flight are counted as abandoned", True
+        if acted:
+            self.watchdog.learn_pids()
+        return acted
+
+    def _progress(self) -> Any:
+        """What changes while rollouts make progress: the replay queue's counters (None if the
+        replay actor does not answer)."""
+        try:
+            m = ray.get(self.replay.metrics.remote(), timeout=self.cfg.watchdog.ping_timeout_s)
+        except Exception:  # noqa: BLE001 (judged by the diagnosis)
+            return None
+        return tuple(m.get(k) for k in ("replay/admitted", "replay/put", "replay/released", "replay/dropped_stale"))
+
+    def _get(self, kind: str, refs: Any, what: str, *, recover: bool = True, focus: tuple[str, ...] = (),
+             progress: bool = False) -> Any:
+        """ray.get under the watchdog (before start(): a plain ray.get)."""
+        if self.watchdog is None:
+            return ray.get(refs)
+        return self.watchdog.get(kind, refs, what=what, recover=self._recover if recover else None, focus=focus,
+                                 progress=self._progress if progress else None)
+
+    def _engine_names(self) -> tuple[str, ...]:
+        return tuple(f"engine{i}" for i in range(len(self.engines)))
+
+    def _learner_names(self) -> tuple[str, ...]:
+        return tuple(f"learner{i}" for i in range(len(self.learner.actors)))
+
+    def _on_engines(self, kind: str, method: str, *args: Any) -> None:
+        """Call ``method`` on every engine under the watchdog; an engine that died (and was
+        restarted by Ray) is asked once more."""
+        refs = [getattr(e, method).remote(*args) for e in self.engines]
+        for i, ref in enumerate(refs):
+            try:
+                self._get(kind, ref, f"engine{i}.{method}", focus=(f"engine{i}",))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                self.engines_unavailable_at_refit += 1
+                self._get(kind, getattr(self.engines[i], method).remote(*args), f"engine{i}.{method} (restarted)",
+                          focus=(f"engine{i}",))
 
     def _start_teachers(self, engine_actor: Any) -> list[Any]:
         """On-policy distillation: the teacher's engines, never refit. They score whole
@@ -234,6 +368,30 @@ class Trainer:
         a small payload (a CUDA IPC handle, or the layout of the broadcast); the learner drops its
         flat buffer once every engine has loaded."""
         t0 = time.perf_counter()
+        try:
+            self._load_engines(payload, version)
+        except ray.exceptions.ObjectLostError as exc:
+            # The weights' object was lost (evicted, its owner's node gone, freed): export them
+            # again and load those. The learner may have stepped since, so the engines can get
+            # weights one step newer than `version` (the tokens' logprobs are still the engine's
+            # own, so the IS correction holds; only the staleness count is off by one).
+            self.num_refit_retries += 1
+            print(f"agentrl: the refit to version {version} lost its weights ({type(exc).__name__}); "
+                  "exporting them again", file=sys.stderr, flush=True)
+            payload = self.learner.export_for_refit.remote(self.transport)
+            if self.transport == "nccl":
+                self._broadcast_ref = self.learner.broadcast_weights.remote()
+            self._load_engines(payload, version)
+        ray.get(self.replay.set_weights_version.remote(version))
+        if self.transport != "object_store":
+            # Not waited for: with the learner stepping beside the engines (split placement) the
+            # release queues behind its step, which held admission at the old version and counted
+            # a whole step as refit time (6.3 s of a 0.7 s refit at 1.5B). It runs before the next
+            # export (actor calls run in order); _export checks its result.
+            self._release_ref = self.learner.release_refit.remote()
+        return time.perf_counter() - t0
+
+    def _load_engines(self, payload: Any, version: int) -> None:
         if self.transport == "object_store":
             ray.get(self.replay.stage_weights.remote(version, [payload]))
         else:
@@ -246,14 +404,6 @@ class Trainer:
                 self.engines_unavailable_at_refit += 1
         if self.transport == "nccl":
             ray.get(self._broadcast_ref)
-        ray.get(self.replay.set_weights_version.remote(version))
-        if self.transport != "object_store":
-            # Not waited for: with the learner stepping beside the engines (split placement) the
-            # release queues behind its step, which held admission at the old version and counted
-            # a whole step as refit time (6.3 s of a 0.7 s refit at 1.5B). It runs before the next
-            # export (actor calls run in order); _export checks its result.
-            self._release_ref = self.learner.release_refit.remote()
-        return time.perf_counter() - t0
 
     def _start_refit(self) -> float:
         """Begin a refit to the current version in the background; returns seconds spent waiting
@@ -271,24 +421,30 @@ class Trainer:
         t0 = time.perf_counter()
         future, self._refit_future = self._refit_future, None
         if future is not None:
-            self._last_refit_s = future.result()
+            if self.watchdog is None:
+                self._last_refit_s = future.result()
+            else:  # a frozen engine holds the refit: the watchdog kills it, the refit goes on without it
+                self._last_refit_s = self.watchdog.result("refit", future, what=f"the refit to version {self.version}",
+                                                          recover=self._recover, focus=self._engine_names())
         return time.perf_counter() - t0
 
     def _sleep_engines(self, level: int) -> float:
         """Colocated: engines drain and release their GPU memory before the learner steps."""
         t0 = time.perf_counter()
-        ray.get([e.sleep.remote(level) for e in self.engines])
+        self._on_engines("engine_sleep", "sleep", level)
         return time.perf_counter() - t0
 
     def _wake_engines(self) -> float:
         t0 = time.perf_counter()
-        ray.get(self.learner.free_memory.remote())
-        ray.get([e.wake_up.remote() for e in self.engines])
+        self._get("engine_wake", self.learner.free_memory.remote(), "the learner's free_memory", recover=False)
+        self._on_engines("engine_wake", "wake_up")
         return time.perf_counter() - t0
 
     def evaluate(self, label: str) -> dict[str, float]:
         ev = self.cfg.eval
-        metrics = ray.get(self.rollouts[0].evaluate.remote(ev.num_episodes, ev.seed_offset, ev.temperature))
+        metrics = self._get("eval", self.rollouts[0].evaluate.remote(ev.num_episodes, ev.seed_offset, ev.temperature),
+                            f"the {label} evaluation ({ev.num_episodes} episodes)", focus=self._engine_names(),
+                            progress=False)
         return {k.replace("eval/", f"eval_{label}/"): v for k, v in metrics.items()}
 
     # -- checkpoints ------------------------------------------------------------------------------
@@ -298,9 +454,11 @@ class Trainer:
         tmp = path.with_name(path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-        ray.get(self.learner.save.remote(str(tmp / "learner")))
+        self._get("checkpoint", self.learner.save.remote(str(tmp / "learner")), f"the learner's save of step {self.step}",
+                  recover=False, focus=self._learner_names())
         with open(tmp / "replay.pkl", "wb") as f:
-            pickle.dump(ray.get(self.replay.state_dict.remote()), f)
+            pickle.dump(self._get("checkpoint", self.replay.state_dict.remote(), "the replay queue's state",
+                                  recover=False, focus=("replay",)), f)
         (tmp / "trainer.json").write_text(json.dumps({"step": self.step, "version": self.version}))
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)  # a crash mid-save never leaves a half checkpoint under the real name
@@ -333,7 +491,7 @@ class Trainer:
                 before = self.evaluate("before")
                 logger.log(self.step, before)
                 summary.update(before)
-            runs = [r.run.remote() for r in self.rollouts]
+            self.runs = [r.run.remote() for r in self.rollouts]
             summary.update(self._loop(logger))
             for r in self.rollouts:
                 r.stop.remote()
@@ -341,7 +499,7 @@ class Trainer:
                 after = self.evaluate("after")
                 logger.log(self.step, after)
                 summary.update(after)
-            del runs
+            self.runs = []
             logger.summary(summary)
         finally:
             logger.close()
@@ -384,7 +542,8 @@ class Trainer:
                     take = self.replay.take.remote(k, self.version)
                     pending = (take, self.learner.train_step.remote(take) if overlap else None, time.perf_counter())
                 take, step_ref, t0 = pending
-                groups = ray.get(take)
+                self._check_rollouts()
+                groups = self._take(take, save=not overlap)
                 t1 = time.perf_counter()
                 refit_due = (self.version + 1) % cfg.refit.interval == 0
                 sleep_s = refit_wait_s = 0.0
@@ -397,7 +556,7 @@ class Trainer:
                     if may_start(self.step + 1) and not checkpoint_after(self.step + 1):
                         nxt = self.replay.take.remote(k, self.version + 1)
                         pending = (nxt, self.learner.train_step.remote(nxt), time.perf_counter())
-                    metrics = ray.get(step_ref)
+                    metrics = self._learner_step(step_ref, groups)
                     t2 = time.perf_counter()
                     self.version += 1
                     self.step += 1
@@ -409,14 +568,15 @@ class Trainer:
                     pending = None
                     sleep_s = self._sleep_engines(level=2 if refit_due else 1) if self.sleeping_engines else 0.0
                     t1b = time.perf_counter()
-                    metrics = ray.get(self.learner.train_step.remote(groups))
+                    metrics = self._learner_step(self.learner.train_step.remote(groups), groups)
                     t2 = time.perf_counter()
                     self.version += 1
                     self.step += 1
                     if self.sleeping_engines:
                         # Colocated: nothing generates while the learner steps; wake with new weights.
                         # What the learner still holds when the engines wake (its step's cache returned).
-                        mem = ray.get(self.learner.free_memory.remote())
+                        mem = self._get("engine_wake", self.learner.free_memory.remote(), "the learner's free_memory",
+                                        recover=False)
                         metrics.update({f"memory/learner_{k}": v for k, v in mem.items()})
                         if refit_due:
                             self._last_refit_s = self.refit()
@@ -433,7 +593,9 @@ class Trainer:
                 metrics.update(summarize(trajs))
                 if cfg.distill.enabled:
                     metrics.update(reverse_kl_summary(groups))
-                metrics.update(ray.get(self.replay.metrics.remote()))
+                metrics.update(self._get("batch", self.replay.metrics.remote(), "the replay queue's metrics",
+                                         recover=False))
+                metrics.update(self._fault_metrics())
                 step_s = time.perf_counter() - t0 if step_s is None else step_s
                 metrics.update({
                     "replay/staleness_max": float(max(staleness, default=0)),
@@ -468,6 +630,72 @@ class Trainer:
         if cfg.train.num_steps and (not cfg.train.checkpoint_interval or self.step % cfg.train.checkpoint_interval):
             self.save_checkpoint()
         return {f"final/{k}": v for k, v in last.items() if isinstance(v, (int, float))}
+
+    def _take(self, take: Any, *, save: bool = True) -> list[Any]:
+        """The next batch, under the watchdog: no group arriving for too long is diagnosed, frozen
+        engines are restarted and lost rollout actors replaced; a dead rollout actor is noticed
+        (and replaced) without waiting for the deadline."""
+        from agentrl.actors.watchdog import Watchdog
+
+        if self.watchdog is None or not self.cfg.watchdog.enabled:
+            return ray.get(take)
+        wd: Watchdog = self.watchdog
+        k = self.cfg.replay.groups_per_step
+
+        def done(timeout: float) -> bool:
+            end = time.perf_counter() + timeout
+            while True:
+                if ray.wait([take], timeout=min(2.0, max(0.0, end - time.perf_counter())))[0]:
+                    return True
+                self._check_rollouts()
+                if time.perf_counter() >= end:
+                    return False
+
+        try:
+            wd.wait("batch", done, what=f"a batch of {k} groups for step {self.step + 1} (replay.take)",
+                    recover=self._recover, focus=(*self._engine_names(), *(f"rollout{i}" for i in range(len(self.rollouts)))),
+                    progress=self._progress)
+        except RunStalled as exc:
+            if not save:  # a step is queued on the learner behind this batch: a save would wait for it
+                raise
+            try:
+                path = self.save_checkpoint()
+            except Exception as err:  # noqa: BLE001 (the stall is the error to report)
+                raise RunStalled(f"{exc}\n(no checkpoint could be saved: {type(err).__name__}: {err})") from exc
+            raise RunStalled(f"{exc}\nthe learner's state after step {self.step} was saved to {path}; "
+                             "`agentrl train CONFIG --resume` continues from it") from exc
+        return ray.get(take)
+
+    def _learner_step(self, ref: Any, groups: list[Any]) -> dict[str, Any]:
+        """A learner step under the watchdog. The learner's state cannot be rebuilt elsewhere: if
+        it dies or freezes the run stops, naming the cause, and --resume continues from the last
+        checkpoint."""
+        try:
+            return self._get("learner_step", ref, f"learner step {self.step + 1}", recover=False,
+                             focus=self._learner_names())
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, RunStalled) as exc:
+            latest = self.ckpt_dir / "latest"
+            since = latest.read_text().strip() if latest.is_file() else None
+            n = sum(len(g.trajectories) for g in groups)
+            cause = (f"the learner died during step {self.step + 1} ({type(exc).__name__}: {str(exc)[:500]})"
+                     if not isinstance(exc, RunStalled) else str(exc))
+            raise RunStopped(
+                f"{cause}\nthe run stopped at step {self.step}: the learner's state since "
+                + (f"its last checkpoint ({self.ckpt_dir / since}) is lost; `agentrl train CONFIG --resume` "
+                   "continues from there" if since else "the start is lost (no checkpoint yet; train."
+                   "checkpoint_interval); start again")
+                + f". The {len(groups)} groups ({n} trajectories) of the unfinished step were consumed and not trained on."
+            ) from exc
+
+    def _fault_metrics(self) -> dict[str, float]:
+        wd = self.watchdog
+        return {
+            "faults/watchdog_alarms": float(wd.num_alarms if wd else 0),
+            "faults/recoveries": float(wd.num_recoveries if wd else 0),
+            "faults/engine_restarts": float(self.num_engine_restarts),
+            "faults/rollout_restarts": float(self.num_rollout_restarts),
+            "faults/refit_retries": float(self.num_refit_retries),
+        }
 
     def shutdown(self) -> None:
         with contextlib.suppress(Exception):  # shutting down anyway; the loop raised what mattered

@@ -45,3 +45,32 @@ class LongObservationEnv(TextEnv):
 
 
 gymnasium.register(id="LongObservation-v0", entry_point=LongObservationEnv)
+
+
+class ChaosEnv(SayNumberEnv):
+    """SayNumber with faults: ``reset`` raises for seeds that ``raise_reset_every`` divides, and
+    ``step`` hangs forever (a tool that never returns) with probability ``hang_prob``, or sleeps
+    ``delay_s`` (a slow tool, healthy)."""
+
+    def __init__(self, *, raise_reset_every: int = 0, hang_prob: float = 0.0, delay_s: float = 0.0) -> None:
+        super().__init__()
+        self.raise_reset_every, self.hang_prob, self.delay_s = raise_reset_every, hang_prob, delay_s
+
+    def reset(self, *, seed=None, options=None):
+        if self.raise_reset_every and seed is not None and seed % self.raise_reset_every == 0:
+            raise RuntimeError(f"chaos: reset of seed {seed} raises")
+        return super().reset(seed=seed, options=options)
+
+    def respond(self, action: str) -> Turn:
+        import random
+        import threading
+        import time
+
+        if self.hang_prob and random.random() < self.hang_prob:
+            threading.Event().wait()  # never returns
+        if self.delay_s:
+            time.sleep(random.uniform(0.5, 1.5) * self.delay_s)
+        return super().respond(action)
+
+
+gymnasium.register(id="Chaos-v0", entry_point=ChaosEnv)

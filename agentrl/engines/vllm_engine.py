@@ -9,6 +9,7 @@ top_p = 1 the two agree to float precision (measured ~2e-7 in float32 on CPU), a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import tempfile
@@ -37,9 +38,27 @@ class GenerationResult:
 
 def _shm_dir() -> Path:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    _sweep_dead(base)
     d = base / f"agentrl-{os.getpid()}"
     d.mkdir(parents=True, exist_ok=True)
     return d
+
+
+def _sweep_dead(base: Path) -> None:
+    """Remove the staging folders of engine processes that no longer exist (an engine killed
+    mid-refit cannot remove its own; found by the soak run, bench/soak.py)."""
+    import shutil
+
+    for d in base.glob("agentrl-*"):
+        pid = d.name.removeprefix("agentrl-")
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(d, ignore_errors=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 class VLLMEngine:
@@ -202,6 +221,8 @@ class VLLMEngine:
         finally:
             if path is not None:
                 path.unlink(missing_ok=True)
+                with contextlib.suppress(OSError):
+                    path.parent.rmdir()  # empty between refits: nothing of this process stays in /dev/shm
         return loop.time() - t0
 
     async def _stage_file(self, weights: "dict[str, torch.Tensor]", version: int) -> Path:

@@ -1,0 +1,224 @@
+"""Ray side of the watchdog: waits with deadlines, pings and stack dumps of actors.
+
+Every actor class mixes in :class:`AsyncDiag` or :class:`SyncDiag`: ``ping`` and ``stacks``
+run in a concurrency group of their own (their own thread), so an actor whose event loop or main
+thread is stuck still answers them. A frozen process (SIGSTOP, a deadlock holding the GIL)
+answers nothing: it is judged unresponsive and its stacks are read from outside with py-spy.
+The deadlines and the report are :mod:`agentrl.watchdog`'s; what to do about a stuck actor is
+the trainer's (the ``recover`` callback of :meth:`Watchdog.wait`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from agentrl.config import WatchdogConfig
+from agentrl.watchdog import ActorReport, Deadlines, RunStalled, format_report, py_spy_dump, thread_stacks
+
+__all__ = ["DIAG_GROUPS", "AsyncDiag", "SyncDiag", "Watchdog"]
+
+DIAG_GROUPS = {"diag": 1}  # ray.remote(concurrency_groups=DIAG_GROUPS) on every actor class
+
+
+class AsyncDiag:
+    """Diagnosis methods of an async actor (their own event loop, on their own thread)."""
+
+    def diag_status(self) -> dict[str, Any]:
+        return {}
+
+    @ray.method(concurrency_group="diag")
+    async def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), **self.diag_status()}
+
+    @ray.method(concurrency_group="diag")
+    async def stacks(self) -> str:
+        return thread_stacks()
+
+
+class SyncDiag:
+    """Diagnosis methods of a threaded actor (a thread of their own beside the one that works)."""
+
+    def diag_status(self) -> dict[str, Any]:
+        return {}
+
+    @ray.method(concurrency_group="diag")
+    def ping(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), **self.diag_status()}
+
+    @ray.method(concurrency_group="diag")
+    def stacks(self) -> str:
+        return thread_stacks()
+
+
+Recover = Callable[[list[ActorReport]], bool]
+
+
+class Watchdog:
+    """Deadlines on the driver's waits, a diagnosis when one passes, and recovery through the
+    caller's ``recover`` callback.
+
+    Args:
+        cfg: the run's ``watchdog`` section.
+        actors: returns the run's actors now, by name (actors get replaced during a run).
+        log_dir: where each diagnosis is written too (``watchdog-<n>.txt``).
+        out: where the diagnosis is printed.
+    """
+
+    def __init__(self, cfg: WatchdogConfig, actors: Callable[[], dict[str, Any]], log_dir: Path,
+                 out: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.deadlines = Deadlines(cfg)
+        self.actors = actors
+        self.log_dir = Path(log_dir)
+        self.out = out or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self.pids: dict[str, int] = {}
+        self.num_alarms = 0
+        self.num_recoveries = 0
+        self.last_report = ""
+
+    # -- waiting ----------------------------------------------------------------------------------
+    def get(self, kind: str, refs: Any, *, what: str, recover: Recover | None = None,
+            focus: tuple[str, ...] = (), progress: Callable[[], Hashable] | None = None) -> Any:
+        """``ray.get(refs)`` under a deadline for ``kind`` (see :meth:`wait`)."""
+        many = isinstance(refs, list)
+        lst = list(refs) if many else [refs]
+        if lst:
+            self.wait(kind, lambda t: not ray.wait(lst, num_returns=len(lst), timeout=t)[1], what=what,
+                      recover=recover, focus=focus, progress=progress)
+        return ray.get(lst) if many else ray.get(lst[0])
+
+    def result(self, kind: str, future: Future, *, what: str, recover: Recover | None = None,
+               focus: tuple[str, ...] = ()) -> Any:
+        """``future.result()`` under a deadline for ``kind``."""
+        def done(t: float) -> bool:
+            try:
+                future.result(timeout=t)
+            except FutureTimeout:
+                return False
+            except BaseException:
+                return True  # raised below, to the caller
+            return True
+        self.wait(kind, done, what=what, recover=recover, focus=focus)
+        return future.result()
+
+    def wait(self, kind: str, done: Callable[[float], bool], *, what: str, recover: Recover | None = None,
+             focus: tuple[str, ...] = (), progress: Callable[[], Hashable] | None = None) -> float:
+        """Wait until ``done(timeout)`` is true. Each time the deadline of ``kind`` passes: if
+        ``progress()`` changed since the last look (work is still arriving) wait on; otherwise
+        diagnose, print the report, and let ``recover`` act on it. ``recover`` returning False (or
+        ``watchdog.max_recoveries`` passing) stops the run with :class:`RunStalled`.
+        ``focus``: actors whose stacks are dumped even when they answer (busy on this wait)."""
+        t0 = time.perf_counter()
+        if not self.cfg.enabled:
+            while not done(3600.0):
+                pass
+            return time.perf_counter() - t0
+        recoveries = 0
+        alarmed = False
+        mark = progress() if progress is not None else None
+        while True:
+            deadline = self.deadlines.deadline(kind)
+            if done(deadline):
+                break
+            if progress is not None:
+                now = progress()
+                if now != mark and now is not None:
+                    mark = now
+                    continue  # slow, not stuck
+            alarmed = True
+            self.num_alarms += 1
+            reports = self.diagnose(focus)
+            recovered = recover(reports) if recover is not None else False
+            elapsed = time.perf_counter() - t0
+            q = self.deadlines.quantile(kind)
+            history = f"recent {kind} q{self.cfg.quantile:g} = {q:.1f}s" if q is not None else f"no {kind} history yet"
+            report = format_report(what, elapsed, deadline, reports, history=history)
+            if recovered and recoveries < self.cfg.max_recoveries:
+                recoveries += 1
+                self.num_recoveries += 1
+                self._emit(report + f"\nwatchdog: recovered ({recoveries} of at most {self.cfg.max_recoveries} "
+                                    "in this wait); waiting again")
+                continue
+            why = ("nothing the watchdog can restart would unblock it" if not recovered
+                   else f"watchdog.max_recoveries ({self.cfg.max_recoveries}) reached")
+            self._emit(report)
+            raise RunStalled(f"{report}\nstopping the run: {why}")
+        elapsed = time.perf_counter() - t0
+        if not alarmed:  # a recovered wait's length says nothing about healthy ones
+            self.deadlines.record(kind, elapsed)
+        return elapsed
+
+    def _emit(self, report: str) -> None:
+        self.last_report = report
+        self.out(report)
+        try:
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            (self.log_dir / f"watchdog-{self.num_alarms:03d}.txt").write_text(report + "\n")
+        except OSError:
+            pass
+
+    # -- diagnosis --------------------------------------------------------------------------------
+    def ping_all(self) -> list[ActorReport]:
+        """Every actor's state: idle or busy (it answered), unresponsive (no answer in
+        ``watchdog.ping_timeout_s``) or dead."""
+        actors = self.actors()
+        refs = {}
+        reports = {}
+        for name, handle in actors.items():
+            try:
+                refs[name] = handle.ping.remote()
+            except Exception as exc:  # noqa: BLE001 (a handle whose actor is gone)
+                reports[name] = ActorReport(name, "dead", self.pids.get(name), error=str(exc)[:200])
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.ping_timeout_s)
+        for name, ref in refs.items():
+            ready, _ = ray.wait([ref], timeout=0)
+            if not ready:
+                reports[name] = ActorReport(name, "unresponsive", self.pids.get(name))
+                continue
+            try:
+                status = dict(ray.get(ref))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                reports[name] = ActorReport(name, "dead", self.pids.get(name), error=type(exc).__name__)
+                continue
+            pid = status.pop("pid", None)
+            if pid is not None:
+                self.pids[name] = pid
+            busy = bool(status.pop("busy", False))
+            reports[name] = ActorReport(name, "busy" if busy else "idle", pid, status=status)
+        return [reports[n] for n in actors if n in reports]
+
+    def diagnose(self, focus: tuple[str, ...] = ()) -> list[ActorReport]:
+        reports = self.ping_all()
+        actors = self.actors()
+        for r in reports:
+            if r.state == "unresponsive" or (r.name in focus and r.state == "busy"):
+                r.stacks = self.stacks_of(r, actors.get(r.name))
+        return reports
+
+    def stacks_of(self, report: ActorReport, handle: Any) -> str:
+        """py-spy from outside where it can read the process; else the actor's own dump (which a
+        frozen actor cannot give)."""
+        if report.pid is not None:
+            dump = py_spy_dump(report.pid, timeout_s=self.cfg.ping_timeout_s * 2)
+            if dump:
+                return dump
+        if report.state == "unresponsive" or handle is None:
+            return "(no stacks: the process answers nothing and py-spy could not read it)"
+        try:
+            return ray.get(handle.stacks.remote(), timeout=self.cfg.ping_timeout_s)
+        except Exception as exc:  # noqa: BLE001
+            return f"(no stacks: {type(exc).__name__})"
+
+    def learn_pids(self) -> None:
+        """Ping everything once (at start and after a restart): a frozen actor's pid is known."""
+        self.ping_all()

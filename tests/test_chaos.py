@@ -1,0 +1,249 @@
+"""Chaos suite: faults injected into a real run (tiny model, vLLM engine, Ray actors, CPU).
+
+One run takes every fault that it can survive, one after another: an engine frozen with SIGSTOP
+(the watchdog finds it unresponsive, dumps its stacks with py-spy, kills it; Ray restarts it), a
+rollout actor killed with SIGKILL (replaced; its groups in flight are counted as abandoned), the
+weights object of a refit dropped (exported again), a tool that hangs forever and an env that
+raises in ``reset`` (episodes fail, counted), a put past the replay queue's capacity (refused,
+nothing lost). The run must finish its steps, and every admitted group must be accounted for,
+none trained twice. A second run has its learner killed mid-step: it stops with a message naming
+the cause, and ``--resume`` continues from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from agentrl.config import load_config
+from tests.test_pipeline_e2e import _agentrl, e2e_overrides, read_rows, start_ray
+
+pytestmark = pytest.mark.slow
+
+CHAOS_ENV = "tests.e2e_envs:Chaos-v0"
+NUM_STEPS = 30  # a step takes ~0.5 s when nothing is wrong: faults land while work is left
+
+
+def _steps(run_dir) -> int:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return max((r.get("step", 0) for r in read_rows(run_dir) if "train/loss" in r), default=0)
+
+
+def _wait_for(cond, timeout: float, what: str) -> float:
+    t0 = time.perf_counter()
+    while not cond():
+        if time.perf_counter() - t0 > timeout:
+            raise TimeoutError(f"chaos: {what} did not happen within {timeout:.0f}s")
+        time.sleep(0.2)
+    return time.perf_counter() - t0
+
+
+@pytest.fixture(scope="module")
+def chaos(tiny_model_dir, tmp_path_factory):
+    import ray
+
+    from agentrl.trainer import Trainer
+    from agentrl.trajectory import Trajectory, TrajectoryGroup
+
+    run_dir = tmp_path_factory.mktemp("chaos") / "run"
+    cfg = load_config(None, e2e_overrides(
+        tiny_model_dir, run_dir, f"env.id={CHAOS_ENV}", "env.kwargs={raise_reset_every: 5, hang_prob: 0.02}",
+        "env.step_timeout_s=3", f"train.num_steps={NUM_STEPS}", "train.checkpoint_interval=4",
+        "watchdog.floor_s=8", "watchdog.first_s=300", "watchdog.ping_timeout_s=5", "watchdog.min_samples=2"))
+    start_ray()
+    trainer = Trainer(cfg, progress=False)
+    out: dict = {"cfg": cfg, "run_dir": run_dir, "trained": [], "errors": []}
+
+    # -- instrumentation: which groups each step trained on; a refit whose weights object is dropped
+    learner_step = trainer._learner_step
+
+    def record(ref, groups):
+        metrics = learner_step(ref, groups)
+        out["trained"].append([g.group_id for g in groups])
+        return metrics
+
+    trainer._learner_step = record
+    load_engines = trainer._load_engines
+    drop = threading.Event()
+
+    def dropping(payload, version):
+        if drop.is_set():
+            drop.clear()
+            ray.wait([payload])
+            ray._private.internal_api.free([payload])
+            out["dropped_version"] = version
+        return load_engines(payload, version)
+
+    trainer._load_engines = dropping
+
+    def inject():
+        try:
+            wd = trainer.watchdog
+            _wait_for(lambda: _steps(run_dir) >= 3, 600, "step 3")
+            pid = wd.pids["engine0"]
+            os.kill(pid, signal.SIGSTOP)
+            out["engine_stopped"] = (pid, time.perf_counter(), _steps(run_dir))
+            out["engine_detect_s"] = _wait_for(lambda: trainer.num_engine_restarts >= 1, 300, "the frozen engine's restart")
+            out["engine_recover_s"] = _wait_for(lambda: _steps(run_dir) > out["engine_stopped"][2], 600,
+                                                "a step after the engine's restart") + out["engine_detect_s"]
+            at = _steps(run_dir)
+            _wait_for(lambda: _steps(run_dir) >= at + 1, 600, "one more step")
+            pid = wd.pids["rollout0"]
+            os.kill(pid, signal.SIGKILL)
+            out["rollout_killed"] = (pid, _steps(run_dir))
+            out["rollout_detect_s"] = _wait_for(lambda: trainer.num_rollout_restarts >= 1, 300, "the rollout's replacement")
+            at = _steps(run_dir)
+            drop.set()
+            _wait_for(lambda: trainer.num_refit_retries >= 1, 300, "the refit's retry")
+            out["refit_retry_step"] = at
+            # a put past capacity (no admission ticket): refused, the queue unchanged
+            before = ray.get(trainer.replay.metrics.remote())
+            bogus = TrajectoryGroup("bogus#0", [Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, 0], turn_rewards=[1.0])],
+                                    group_id=-999)
+            try:
+                ray.get(trainer.replay.put.remote(bogus, 10**6))
+                out["overfill"] = "accepted"
+            except Exception as exc:  # noqa: BLE001
+                out["overfill"] = str(exc)
+            out["overfill_counts"] = (before, ray.get(trainer.replay.metrics.remote()))
+        except Exception as exc:  # noqa: BLE001 (reported by the tests)
+            out["errors"].append(repr(exc))
+        finally:
+            drop.clear()
+
+    try:
+        trainer.start()
+        t0 = time.perf_counter()
+        thread = threading.Thread(target=inject, daemon=True)
+        thread.start()
+        out["summary"] = trainer.run()
+        out["run_s"] = time.perf_counter() - t0
+        thread.join(timeout=30)
+        out["counts"] = ray.get(trainer.replay.metrics.remote())
+        out["engine_version"] = ray.get(trainer.engines[0].version.remote())
+        out["version"] = trainer.version
+        out["rollout_stats"] = ray.get([r.stats.remote() for r in trainer.rollouts])
+        out["faults"] = trainer._fault_metrics()
+        out["pids"] = dict(trainer.watchdog.pids)
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    out["rows"] = [r for r in read_rows(run_dir) if "train/loss" in r]
+    out["reports"] = sorted((Path(run_dir) / "watchdog").glob("watchdog-*.txt"))
+    print(json.dumps({k: v for k, v in out.items() if k in (
+        "run_s", "engine_detect_s", "engine_recover_s", "rollout_detect_s", "faults", "errors", "counts")},
+        indent=1, default=str))
+    return out
+
+
+def test_chaos_run_completes_its_steps(chaos):
+    assert not chaos["errors"], chaos["errors"]
+    assert [r["step"] for r in chaos["rows"]] == list(range(1, NUM_STEPS + 1))
+    assert chaos["version"] == chaos["engine_version"] == NUM_STEPS
+
+
+def test_frozen_engine_is_diagnosed_and_restarted(chaos):
+    pid = chaos["engine_stopped"][0]
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert chaos["pids"]["engine0"] != pid, "the engine was not restarted"
+    text = "\n".join(p.read_text() for p in chaos["reports"])
+    assert "engine0" in text and "unresponsive" in text and "killed; Ray restarts it" in text
+    # its stacks read from outside the frozen process (py-spy), the other actors' states listed
+    assert f"stacks of engine0 (pid {pid})" in text and "Thread" in text
+    assert all(f"{name} " in text for name in ("replay", "learner0", "rollout0", "rollout1"))
+    assert chaos["engine_detect_s"] < 120  # deadline (floor 8 s, 5x recent batch waits) + ping + dump
+
+
+def test_killed_rollout_actor_is_replaced_and_its_groups_counted(chaos):
+    assert chaos["faults"]["faults/rollout_restarts"] >= 1
+    assert chaos["pids"]["rollout0"] != chaos["rollout_killed"][0]
+    assert chaos["rollout_detect_s"] < 30  # noticed by its run() call's end, not by a deadline
+    assert chaos["counts"]["replay/abandoned"] <= chaos["counts"]["replay/released"]
+
+
+def test_dropped_refit_object_is_exported_again(chaos):
+    assert chaos["faults"]["faults/refit_retries"] == 1
+    assert chaos["engine_version"] == NUM_STEPS  # later refits went on
+
+
+def test_hanging_tool_and_raising_reset_fail_episodes_not_the_run(chaos):
+    failed = sum(s["rollout/failed_groups"] for s in chaos["rollout_stats"])
+    frac = max(r.get("rollout/failed_frac", 0.0) for r in chaos["rows"])
+    assert failed >= 1, "no group failed: reset never raised"  # every 5th seed's reset raises
+    assert frac > 0 or failed >= 1
+
+
+def test_put_past_capacity_is_refused_and_loses_nothing(chaos):
+    assert "without a matching admit" in chaos["overfill"]
+    before, after = chaos["overfill_counts"]
+    assert after["replay/size"] <= chaos["cfg"].replay.capacity
+    for r in chaos["rows"]:
+        assert r["replay/size"] + r["replay/in_flight"] <= chaos["cfg"].replay.capacity
+
+
+def test_every_group_is_accounted_for_and_none_trained_twice(chaos):
+    c = chaos["counts"]
+    assert c["replay/admitted"] == (c["replay/consumed"] + c["replay/dropped_stale"] + c["replay/released"]
+                                    + c["replay/size"] + c["replay/in_flight"])
+    ids = [g for step in chaos["trained"] for g in step]
+    assert len(ids) == NUM_STEPS * chaos["cfg"].replay.groups_per_step == c["replay/consumed"]
+    assert len(set(ids)) == len(ids), "a group was trained twice"
+
+
+def _children(proc: psutil.Process, name: str) -> list[psutil.Process]:
+    out = []
+    for p in proc.children(recursive=True):
+        try:
+            if name in " ".join(p.cmdline()[:1]) or p.name().startswith(name):
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def test_learner_killed_mid_step_stops_with_its_cause_and_resume_continues(tiny_model_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    steps = 30
+    overrides = e2e_overrides(tiny_model_dir, run_dir, f"train.num_steps={steps}", "train.checkpoint_interval=2",
+                              "--no-progress")
+    log = tmp_path / "first.log"
+    proc = _agentrl("train", *_config(tmp_path), *overrides, log=log)
+    try:
+        _wait_for(lambda: _steps(run_dir) >= 3 or proc.poll() is not None, 600, "step 3")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        [learner] = _children(psutil.Process(proc.pid), "ray::LearnerActor")
+        learner.kill()
+        t_kill = time.perf_counter()
+        rc = proc.wait(timeout=300)
+        stop_s = time.perf_counter() - t_kill
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = log.read_text()
+    assert rc == 3, text[-3000:]
+    assert "the learner died during step" in text and "--resume" in text and "consumed and not trained on" in text
+    assert stop_s < 120
+    done = _steps(run_dir)
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    k = int(latest.split("_")[1])
+    assert k <= done < steps
+    proc = _agentrl("train", *_config(tmp_path), *overrides, "--resume", log=tmp_path / "second.log")
+    assert proc.wait(timeout=900) == 0, (tmp_path / "second.log").read_text()[-3000:]
+    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
+    resumed = [r["step"] for r in rows][len([r for r in rows if r["step"] <= done]):]
+    assert resumed == list(range(k + 1, steps + 1))
+
+
+def _config(tmp_path) -> list[str]:
+    cfg = tmp_path / "chaos.yaml"
+    cfg.write_text("")
+    return [str(cfg)]
