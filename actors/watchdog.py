@@ -167,9 +167,10 @@ class Watchdog:
             pass
 
     # -- diagnosis --------------------------------------------------------------------------------
-    def ping_all(self) -> list[ActorReport]:
+    def ping_all(self, timeout_s: float | None = None) -> list[ActorReport]:
         """Every actor's state: idle or busy (it answered), unresponsive (no answer in
         ``watchdog.ping_timeout_s``) or dead."""
+        timeout_s = self.cfg.ping_timeout_s if timeout_s is None else timeout_s
         actors = self.actors()
         refs = {}
         reports = {}
@@ -179,7 +180,7 @@ class Watchdog:
             except Exception as exc:  # noqa: BLE001 (a handle whose actor is gone)
                 reports[name] = ActorReport(name, "dead", self.pids.get(name), error=str(exc)[:200])
         if refs:
-            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.cfg.ping_timeout_s)
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
         for name, ref in refs.items():
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
@@ -219,6 +220,7 @@ class Watchdog:
         except Exception as exc:  # noqa: BLE001
             return f"(no stacks: {type(exc).__name__})"
 
-    def learn_pids(self) -> None:
-        """Ping everything once (at start and after a restart): a frozen actor's pid is known."""
-        self.ping_all()
+    def learn_pids(self, timeout_s: float = 60.0) -> None:
+        """Ping everything once (at start and after a restart): a frozen actor's pid is known.
+        An actor still starting gets ``timeout_s`` to answer."""
+        self.ping_all(timeout_s)

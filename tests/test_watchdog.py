@@ -1,0 +1,179 @@
+"""The watchdog: deadlines from a run's own timings, the diagnosis (pings from a thread of their
+own, stacks of a frozen process read from outside) and no false alarm on a healthy slow run."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agentrl.config import ConfigError, WatchdogConfig, load_config
+from agentrl.watchdog import ActorReport, Deadlines, format_report, py_spy_dump, thread_stacks
+
+
+@given(st.lists(st.floats(0.0, 1e4), max_size=80), st.floats(0.1, 100), st.floats(1, 20))
+@settings(max_examples=200, deadline=None)
+def test_a_deadline_is_never_below_its_floor_nor_below_factor_times_a_recent_duration(xs, floor, factor):
+    cfg = WatchdogConfig(floor_s=floor, first_s=floor * 3, factor=factor, quantile=1.0, window=50, min_samples=3)
+    d = Deadlines(cfg)
+    for x in xs:
+        d.record("batch", x)
+    recent = xs[-50:]
+    deadline = d.deadline("batch")
+    assert deadline >= floor
+    if len(recent) >= 3:
+        assert deadline == pytest.approx(max(floor, factor * max(recent)))
+    else:
+        assert deadline == floor * 3
+
+
+def test_fixed_deadlines_override_and_unknown_kinds_are_refused():
+    d = Deadlines(WatchdogConfig(deadlines={"learner_step": 7200}))
+    for _ in range(10):
+        d.record("learner_step", 1.0)
+    assert d.deadline("learner_step") == 7200 and d.deadline("batch") == 900
+    with pytest.raises(ConfigError, match="watchdog.deadlines"):
+        load_config(None, ["watchdog.deadlines={learner: 3}"])
+
+
+def test_the_report_names_the_wait_the_states_and_the_stacks():
+    reports = [ActorReport("engine0", "unresponsive", 123, stacks="Thread 1 (idle)\n  f (a.py:1)\n" * 50,
+                           action="killed"),
+               ActorReport("learner0", "busy", 7, status={"call": "train_step", "for_s": 3.2})]
+    text = format_report("a batch of 2 groups", 61.0, 40.0, reports, history="recent batch q0.9 = 8.0s")
+    assert "no progress waiting for a batch of 2 groups for 61s (deadline 40s; recent batch q0.9 = 8.0s)" in text
+    assert "engine0" in text and "unresponsive" in text and "-> killed" in text
+    assert "call=train_step" in text and "stacks of engine0 (pid 123)" in text and "more lines" in text
+
+
+def test_thread_stacks_show_every_other_thread():
+    import threading
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, name="waiter", daemon=True)
+    t.start()
+    try:
+        text = thread_stacks()
+    finally:
+        stop.set()
+    assert '"waiter"' in text and "wait" in text and '"MainThread"' not in text.split("Thread")[0]
+
+
+def test_py_spy_reads_a_frozen_process_from_outside():
+    proc = subprocess.Popen([sys.executable, "-c", "import time\ndef parked():\n    time.sleep(60)\nparked()"])
+    try:
+        time.sleep(1.0)
+        os.kill(proc.pid, signal.SIGSTOP)
+        dump = py_spy_dump(proc.pid)
+        if dump is None:
+            pytest.fail("py-spy could not read the process (ray[default] installs it; ptrace must be allowed)")
+        assert "parked" in dump
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+# -- against real Ray actors -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_diagnosis_tells_busy_idle_frozen_and_dead_apart(ray_local, tmp_path):
+    ray = ray_local
+    from tests.watchdog_actors import BlockingLoop, Worker
+
+    from agentrl.actors.watchdog import Watchdog
+
+    actors = {"loop": BlockingLoop.remote(), "worker": Worker.remote(), "frozen": BlockingLoop.remote(),
+              "dead": Worker.remote()}
+    ray.get([a.ping.remote() for a in actors.values()])
+    wd = Watchdog(WatchdogConfig(ping_timeout_s=3), lambda: actors, tmp_path)
+    wd.learn_pids()
+    actors["loop"].hog.remote(30)  # blocks its event loop: the ping answers from its own thread
+    actors["worker"].work.remote(30)
+    ray.kill(actors["dead"])
+    time.sleep(1.0)
+    os.kill(wd.pids["frozen"], signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        reports = {r.name: r for r in wd.diagnose(focus=("worker",))}
+        took = time.perf_counter() - t0
+    finally:
+        os.kill(wd.pids["frozen"], signal.SIGKILL)
+    assert reports["loop"].state == "idle" and reports["worker"].state == "busy"
+    assert reports["frozen"].state == "unresponsive" and reports["dead"].state == "dead"
+    assert "Worker.work" in reports["worker"].stacks or "work" in reports["worker"].stacks
+    assert "Thread" in reports["frozen"].stacks  # py-spy, from outside the stopped process
+    assert took < 3 + 2 * 20
+
+
+@pytest.mark.slow
+def test_a_stall_recovers_or_stops_with_the_report(ray_local, tmp_path):
+    ray = ray_local
+    from tests.watchdog_actors import Worker
+
+    from agentrl.actors.watchdog import Watchdog
+    from agentrl.watchdog import RunStalled
+
+    w = Worker.remote()
+    ray.get(w.ping.remote())
+    cfg = WatchdogConfig(floor_s=1, first_s=1, ping_timeout_s=2, max_recoveries=10)
+    wd = Watchdog(cfg, lambda: {"worker": w}, tmp_path, out=lambda msg: None)
+    calls = []
+    assert wd.get("learner_step", w.work.remote(2.5), what="work", recover=lambda r: calls.append(r) or True) == 2
+    assert len(calls) >= 1 and wd.num_recoveries == len(calls)
+    with pytest.raises(RunStalled, match="waiting for more work.*\n.*worker +busy"):
+        wd.get("learner_step", w.work.remote(30), what="more work", focus=("worker",))
+    assert sorted(p.name for p in tmp_path.glob("watchdog-*.txt"))
+    # progress that keeps changing is slow, not stuck: no alarm
+    fresh = Worker.remote()
+    ray.get(fresh.ping.remote())
+    n = iter(range(10**6))
+    before = wd.num_alarms
+    assert wd.get("batch", fresh.work.remote(3), what="x", progress=lambda: next(n)) == 2 and wd.num_alarms == before
+
+
+@pytest.mark.slow
+def test_a_healthy_slow_run_raises_no_alarm(tiny_model_dir, tmp_path):
+    """Slow tools (0.5-1.5 s a call), long trajectories (a slow learner step) and tight watchdog
+    settings (floor 2 s, 4x the recent 0.9 quantile): deadlines follow the run, none fires."""
+    import ray
+
+    from agentrl.trainer import Trainer
+    from tests.test_pipeline_e2e import e2e_overrides, read_rows, start_ray
+
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, e2e_overrides(
+        tiny_model_dir, run_dir, "env.id=tests.e2e_envs:Chaos-v0", "env.kwargs={delay_s: 1.0}",
+        "rollout.max_new_tokens=96", "rollout.max_turns=3", "train.num_steps=8",
+        "watchdog.floor_s=2", "watchdog.factor=4", "watchdog.min_samples=2", "watchdog.first_s=300"))
+    start_ray()
+    trainer = Trainer(cfg, progress=False)
+    try:
+        trainer.run()
+        wd = trainer.watchdog
+        alarms, seen = wd.num_alarms, {k: list(v) for k, v in wd.deadlines.recent.items()}
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert alarms == 0, (wd.last_report, seen)
+    assert not (run_dir / "watchdog").exists()
+    # it was slow: steps took seconds, so the deadlines came from the run's timings, not the floor
+    assert max(seen["learner_step"]) > 0.2 and max(r["timing/step"] for r in rows) > 2

@@ -1,0 +1,35 @@
+"""Actors for tests/test_watchdog.py (imported by Ray workers, so in a module of their own)."""
+
+import time
+
+import ray
+
+from agentrl.actors.watchdog import DIAG_GROUPS, AsyncDiag, SyncDiag
+
+
+@ray.remote(concurrency_groups=DIAG_GROUPS)
+class BlockingLoop(AsyncDiag):
+    """An async actor whose method blocks its event loop (a sync call in async code)."""
+
+    async def hog(self, seconds: float) -> int:
+        time.sleep(seconds)
+        return 1
+
+
+@ray.remote(concurrency_groups=DIAG_GROUPS)
+class Worker(SyncDiag):
+    """A threaded actor that reports itself busy while it works."""
+
+    def __init__(self) -> None:
+        self.working = False
+
+    def work(self, seconds: float) -> int:
+        self.working = True
+        try:
+            time.sleep(seconds)
+        finally:
+            self.working = False
+        return 2
+
+    def diag_status(self) -> dict:
+        return {"busy": self.working}
