@@ -25,6 +25,7 @@ class ReplayActor(AsyncDiag):
         self._cond: asyncio.Condition | None = None
         self._staged: tuple[int, list[Any]] = (0, [])  # (version, [ObjectRef]) wrapped: not resolved
         self._owned: dict[str, list[int]] = {}  # tickets in flight by the rollout actor that holds them
+        self._gone: set[str] = set()  # owners abandoned: an admission they still wait for is refused
 
     def diag_status(self) -> dict[str, Any]:
         return {"queued": len(self.queue), "in_flight": self.queue.in_flight,
@@ -50,7 +51,9 @@ class ReplayActor(AsyncDiag):
         ticket that the matching put or release hands back. ``owner``: the rollout actor asking,
         whose slots :meth:`abandon` gives back if it dies."""
         async with self.cond:
-            await self.cond.wait_for(self.queue.can_admit)
+            await self.cond.wait_for(lambda: owner in self._gone or self.queue.can_admit())
+            if owner in self._gone:  # its actor died while it waited: no slot for a dead caller
+                raise RuntimeError(f"{owner} was abandoned (its rollout actor died)")
             ticket = self.queue.admit()
             self._own(owner, ticket, True)
             return ticket
@@ -59,6 +62,8 @@ class ReplayActor(AsyncDiag):
         """Queue a finished group (False: dynamic sampling dropped it and its slot is free again).
         A put without a matching admission raises and leaves the queue as it was."""
         async with self.cond:
+            if owner in self._gone:  # sent before its actor died, after its slot was given back
+                return False
             queued = self.queue.put(group, ticket)
             self._own(owner, ticket, False)
             self.cond.notify_all()  # a dropped group frees its slot: a waiting admission goes on
@@ -66,6 +71,8 @@ class ReplayActor(AsyncDiag):
 
     async def release(self, ticket: int, owner: str | None = None) -> None:
         async with self.cond:
+            if owner in self._gone:
+                return
             self.queue.release(ticket)
             self._own(owner, ticket, False)
             self.cond.notify_all()
@@ -74,6 +81,7 @@ class ReplayActor(AsyncDiag):
         """Give back every slot ``owner`` (a rollout actor that died) still held; returns how many
         groups were lost with it (``replay/abandoned``)."""
         async with self.cond:
+            self._gone.add(owner)
             tickets = self._owned.pop(owner, [])
             for ticket in tickets:
                 self.queue.abandon(ticket)
