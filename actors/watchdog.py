@@ -84,6 +84,12 @@ class Watchdog:
         self.num_alarms = 0
         self.num_recoveries = 0
         self.last_report = ""
+        self._grace_until = 0.0
+
+    def grace(self, seconds: float) -> None:
+        """No deadline passes in the next ``seconds`` (an actor restarted by a recovery, or by Ray,
+        is starting: a vLLM engine takes as long as at the run's start)."""
+        self._grace_until = max(self._grace_until, time.perf_counter() + seconds)
 
     # -- waiting ----------------------------------------------------------------------------------
     def get(self, kind: str, refs: Any, *, what: str, recover: Recover | None = None,
@@ -126,7 +132,7 @@ class Watchdog:
         alarmed = False
         mark = progress() if progress is not None else None
         while True:
-            deadline = self.deadlines.deadline(kind)
+            deadline = max(self.deadlines.deadline(kind), self._grace_until - time.perf_counter())
             if done(deadline):
                 break
             if progress is not None:

@@ -99,6 +99,7 @@ class Trainer:
         self.num_engine_restarts = 0
         self.num_refit_retries = 0
         self.num_abandoned_groups = 0
+        self.engine_start_s: float | None = None  # how long the engines took to start (a restart's grace)
 
     # -- actors -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,7 +166,9 @@ class Trainer:
                 ray.get([e.wake_up.remote() for e in self.engines])
         else:
             self.learner = LearnerGroup(cfg, self.model_path)
+            t_engines = time.perf_counter()
             ray.get([e.start.remote() for e in self.engines])
+            self.engine_start_s = time.perf_counter() - t_engines
         if cfg.distill.enabled:
             self.teachers = self._start_teachers(EngineActor)
         if self.transport == "nccl":
@@ -251,20 +254,27 @@ class Trainer:
         """What the watchdog can do about a stall: restart frozen engines (Ray restarts them; they
         load the staged weights) and replace frozen or dead rollout actors. False where nothing
         it may restart is at fault (the learner or the replay queue: their state would be lost)."""
-        acted = False
+        acted = restarting = False
         named = self.named_actors()
         for r in reports:
             if r.name.startswith(("engine", "teacher")) and r.state == "unresponsive":
                 self._kill_frozen(r, named[r.name])
                 self.num_engine_restarts += 1
                 r.action, acted = "killed; Ray restarts it and it loads the current weights", True
+                restarting = True
             elif r.name.startswith(("engine", "teacher")) and r.state == "dead":
-                r.action, acted = "restarting (Ray)", True
+                r.action, acted, restarting = "restarting (Ray)", True, True
+            elif r.name.startswith(("engine", "teacher")) and r.status.get("started") is False:
+                r.action, acted, restarting = "starting vLLM (restarted); waiting for it", True, True
             elif r.name.startswith("rollout") and r.state in ("unresponsive", "dead"):
                 if r.state == "unresponsive":
                     self._kill_frozen(r, named[r.name])
                 self._replace_rollout(int(r.name[len("rollout"):]), "was " + r.state)
                 r.action, acted = "replaced; its groups in flight are counted as abandoned", True
+        if restarting:  # as long as the engines took to start, with the watchdog's margin
+            wc = self.cfg.watchdog
+            start = self.engine_start_s or wc.first_s
+            self.watchdog.grace(min(wc.first_s, max(wc.floor_s, wc.factor * start)))
         if acted:
             self.watchdog.learn_pids()
         return acted
@@ -338,7 +348,10 @@ class Trainer:
     def refit(self) -> float:
         """Push the learner's weights to every engine and wait for them; returns seconds taken."""
         self._wait_refit()
-        return self._refit_engines(self._export(), self.version)
+        # On the refit thread, waited for under the watchdog: a frozen engine cannot hold it forever.
+        self._refit_future = self._refit_pool.submit(self._refit_engines, self._export(), self.version)
+        self._wait_refit()
+        return self._last_refit_s
 
     def _export(self, *, overlapped: bool = False) -> Any:
         """Queue the learner's weight export for a refit (before its next step: actor calls from

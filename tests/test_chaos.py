@@ -76,10 +76,14 @@ def chaos(tiny_model_dir, tmp_path_factory):
     drop = threading.Event()
 
     def dropping(payload, version):
-        if drop.is_set():
+        if drop.is_set():  # the weights' object is lost: its owner dies before the engines read it
+            from tests.watchdog_actors import Holder
+
             drop.clear()
-            ray.wait([payload])
-            ray._private.internal_api.free([payload])
+            holder = Holder.remote()
+            [payload] = ray.get(holder.hold.remote(payload))
+            ray.kill(holder)
+            time.sleep(1.0)
             out["dropped_version"] = version
         return load_engines(payload, version)
 

@@ -33,3 +33,12 @@ class Worker(SyncDiag):
 
     def diag_status(self) -> dict:
         return {"busy": self.working}
+
+
+@ray.remote(num_cpus=0)
+class Holder:
+    """Re-puts an object so that this actor owns the copy: killing it loses the object (a refit
+    whose weights object is gone)."""
+
+    def hold(self, value) -> list:
+        return [ray.put(value)]
