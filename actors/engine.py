@@ -26,8 +26,11 @@ class EngineActor(AsyncDiag):
                  weight_source: Any = None, enable_sleep_mode: bool = False) -> None:
         """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
         ``latest_weights`` a (re)started engine loads before it serves."""
-        from agentrl.engines.vllm_engine import VLLMEngine
+        import tempfile
 
+        from agentrl.engines.vllm_engine import VLLMEngine, private_tmpdir
+
+        tempfile.tempdir = str(private_tmpdir())  # what vLLM leaves there goes when this process does
         self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode)
         self.weight_source = weight_source
         self._started = False

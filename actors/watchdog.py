@@ -81,6 +81,8 @@ class Watchdog:
         self.log_dir = Path(log_dir)
         self.out = out or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.pids: dict[str, int] = {}
+        self.pid_started: dict[str, float] = {}  # the process's start time: a reused pid is not it
+        self._pings: dict[str, Any] = {}  # refresh_pids: pings sent, not yet read
         self.num_alarms = 0
         self.num_recoveries = 0
         self.last_report = ""
@@ -199,7 +201,7 @@ class Watchdog:
                 continue
             pid = status.pop("pid", None)
             if pid is not None:
-                self.pids[name] = pid
+                self._learn(name, pid)
             busy = bool(status.pop("busy", False))
             reports[name] = ActorReport(name, "busy" if busy else "idle", pid, status=status)
         return [reports[n] for n in actors if n in reports]
@@ -225,6 +227,42 @@ class Watchdog:
             return ray.get(handle.stacks.remote(), timeout=self.cfg.ping_timeout_s)
         except Exception as exc:  # noqa: BLE001
             return f"(no stacks: {type(exc).__name__})"
+
+    def _learn(self, name: str, pid: int) -> None:
+        if self.pids.get(name) != pid:
+            self.pids[name] = pid
+            try:
+                import psutil
+
+                self.pid_started[name] = psutil.Process(pid).create_time()
+            except Exception:  # noqa: BLE001 (another node's process)
+                self.pid_started.pop(name, None)
+
+    def is_same_process(self, name: str, pid: int) -> bool:
+        """Whether ``pid`` is still the process the actor ``name`` answered from (not a reused pid)."""
+        try:
+            import psutil
+
+            return self.pid_started.get(name) == psutil.Process(pid).create_time()
+        except Exception:  # noqa: BLE001
+            return False
+
+    def refresh_pids(self) -> None:
+        """Learn the pids of restarted actors without waiting: reads the pings sent last time that
+        have answered, and pings again (call it between waits, e.g. once a step)."""
+        for name, ref in list(self._pings.items()):
+            if ray.wait([ref], timeout=0)[0]:
+                del self._pings[name]
+                try:
+                    self._learn(name, ray.get(ref)["pid"])
+                except Exception:  # noqa: BLE001 (dead or restarting: next time)
+                    pass
+        for name, handle in self.actors().items():
+            if name not in self._pings:
+                try:
+                    self._pings[name] = handle.ping.remote()
+                except Exception:  # noqa: BLE001
+                    pass
 
     def learn_pids(self, timeout_s: float = 60.0) -> None:
         """Ping everything once (at start and after a restart): a frozen actor's pid is known.

@@ -167,7 +167,7 @@ class Trainer:
         else:
             self.learner = LearnerGroup(cfg, self.model_path)
             t_engines = time.perf_counter()
-            ray.get([e.start.remote() for e in self.engines])
+            self._start_engines()
             self.engine_start_s = time.perf_counter() - t_engines
         if cfg.distill.enabled:
             self.teachers = self._start_teachers(EngineActor)
@@ -183,6 +183,20 @@ class Trainer:
 
         self.watchdog = Watchdog(cfg.watchdog, self.named_actors, self.run_dir / "watchdog")
         self.watchdog.learn_pids()  # a frozen actor's stacks are read by pid
+
+    def _start_engines(self) -> None:
+        """Start every engine; one that dies while it starts (Ray restarts it) is asked again."""
+        refs = [e.start.remote() for e in self.engines]
+        for i, ref in enumerate(refs):
+            for attempt in range(3):
+                try:
+                    ray.get(ref)
+                    break
+                except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                    if attempt == 2:
+                        raise
+                    time.sleep(1.0)
+                    ref = self.engines[i].start.remote()
 
     def _make_rollout(self, i: int) -> Any:
         from agentrl.actors.rollout import RolloutActor
@@ -245,9 +259,8 @@ class Trainer:
             ray.kill(handle, no_restart=False)
         if report.pid is None:
             return
-        with contextlib.suppress(psutil.Error):
-            proc = psutil.Process(report.pid)
-            if proc.name().startswith("ray::") or "ray::" in " ".join(proc.cmdline()[:1]):
+        if self.watchdog.is_same_process(report.name, report.pid):  # never a pid reused since
+            with contextlib.suppress(psutil.Error, OSError):
                 os.kill(report.pid, signal.SIGKILL)
 
     def _recover(self, reports: list[ActorReport]) -> bool:
@@ -275,8 +288,6 @@ class Trainer:
             wc = self.cfg.watchdog
             start = self.engine_start_s or wc.first_s
             self.watchdog.grace(min(wc.first_s, max(wc.floor_s, wc.factor * start)))
-        if acted:
-            self.watchdog.learn_pids()
         return acted
 
     def _progress(self) -> Any:
@@ -630,6 +641,8 @@ class Trainer:
                 })
                 logger.log(self.step, metrics)
                 bar.update(self.step, metrics)
+                if self.watchdog is not None:
+                    self.watchdog.refresh_pids()  # restarted actors' pids, for a later diagnosis
                 last = metrics
                 ei = cfg.eval.interval
                 if ei and cfg.eval.num_episodes and self.step % ei == 0 and may_start(self.step):
@@ -722,6 +735,12 @@ class Trainer:
                 except Exception:
                     pass
             self.actors_started = False
+            from agentrl.engines.vllm_engine import sweep_dead_engine_files
+
+            engine_pids = [pid for name, pid in (self.watchdog.pids if self.watchdog else {}).items()
+                           if name.startswith(("engine", "teacher"))]
+            with contextlib.suppress(Exception):  # what the killed engines left in /dev/shm and the temp dir
+                sweep_dead_engine_files(engine_pids, wait_s=10.0)
         if self.placement_group is not None:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(self.placement_group)

@@ -197,11 +197,11 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="soak-", dir="/tmp"))
     run_dir = tmp / "run"
     env = dict(os.environ, TMPDIR=str(tmp), RAY_TMPDIR=str(tmp), PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "agentrl.cli", "train", args.config, "--no-progress",
+    cmd = [sys.executable, "-m", "agentrl.cli", "train", args.config,
            f"run_dir={run_dir}", "train.num_steps=1000000", f"train.time_limit_s={args.minutes * 60:g}",
            "train.checkpoint_interval=50", "eval.num_episodes=32",
            # faults every few minutes: a frozen engine is found within a minute or two
-           "watchdog.floor_s=60", "watchdog.first_s=600", *args.overrides]
+           "watchdog.floor_s=60", "watchdog.first_s=600", *args.overrides, "--no-progress"]
     log = open(tmp / "train.log", "w")  # noqa: SIM115
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -211,11 +211,13 @@ def main() -> int:
     seen: set[int] = set()
     next_fault = t0 + args.fault_every_s
     k = 0
+    trained = False
     print(f"soak: pid {proc.pid}, temp dir {tmp}, log {tmp / 'train.log'}", flush=True)
     while proc.poll() is None:
         samples.append(sample(root, tmp, seen, t0))
-        trained = (run_dir / "metrics.jsonl").is_file()
-        # faults only while it trains (not during SFT cache checks, start-up or the final eval)
+        # faults only once it trains: not during start-up, nor during the final eval (below)
+        trained = trained or ((run_dir / "metrics.jsonl").is_file()
+                              and '"train/loss"' in (run_dir / "metrics.jsonl").read_text())
         if trained and time.time() >= next_fault and time.time() - t0 < args.minutes * 60 - 120:
             what = inject(root, FAULTS[k % len(FAULTS)], log)
             faults.append({"t_s": time.time() - t0, "fault": FAULTS[k % len(FAULTS)], "what": what})

@@ -38,27 +38,64 @@ class GenerationResult:
 
 def _shm_dir() -> Path:
     base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    _sweep_dead(base)
+    _sweep_dead(base, "agentrl-")
     d = base / f"agentrl-{os.getpid()}"
     d.mkdir(parents=True, exist_ok=True)
     return d
 
 
-def _sweep_dead(base: Path) -> None:
-    """Remove the staging folders of engine processes that no longer exist (an engine killed
-    mid-refit cannot remove its own; found by the soak run, bench/soak.py)."""
+def private_tmpdir() -> Path:
+    """A temp folder of this engine process's own, which later engine processes remove once it is
+    dead: vLLM leaves files in the temp dir (its ``vllm_dist_*`` rendezvous file) that a killed
+    engine cannot remove. Set as the process's ``tempfile.tempdir`` before vLLM starts."""
+    base = Path(tempfile.gettempdir())
+    _sweep_dead(base, "agentrl-engine-")
+    d = base / f"agentrl-engine-{os.getpid()}"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+def sweep_dead_engine_files(pids: "list[int]" = (), wait_s: float = 10.0) -> None:  # type: ignore[assignment]
+    """Remove what engine processes that are gone left in /dev/shm and the temp dir, after
+    waiting up to ``wait_s`` for the engines ``pids`` (just killed) to exit."""
+    import time
+
+    end = time.monotonic() + wait_s
+    while time.monotonic() < end and any(_alive(p) for p in pids):
+        time.sleep(0.2)
+    for base, prefix in ((Path("/dev/shm"), "agentrl-"), (Path(tempfile.gettempdir()), "agentrl-engine-")):
+        if base.is_dir():
+            _sweep_dead(base, prefix)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sweep_dead(base: Path, prefix: str) -> int:
+    """Remove the folders of engine processes that no longer exist (an engine killed mid-refit
+    cannot remove its own; found by the soak run, bench/soak.py)."""
     import shutil
 
-    for d in base.glob("agentrl-*"):
-        pid = d.name.removeprefix("agentrl-")
+    alive = 0
+    for d in base.glob(f"{prefix}*"):
+        pid = d.name.removeprefix(prefix)
         if not pid.isdigit() or int(pid) == os.getpid():
             continue
         try:
             os.kill(int(pid), 0)
+            alive += 1
         except ProcessLookupError:
             shutil.rmtree(d, ignore_errors=True)
         except PermissionError:  # alive, another user's
-            pass
+            alive += 1
+    return alive
 
 
 class VLLMEngine:
