@@ -39,12 +39,13 @@ FAULTS = ("kill_engine", "stop_engine", "kill_rollout")
 def role(p: psutil.Process) -> str:
     """A stable name for a process of the run: the actor class, or Ray's process name."""
     try:
-        name = p.name()
+        name = p.name()  # the kernel's comm: 15 characters ("ray::EngineActo")
         cmd = p.cmdline()
     except psutil.Error:
         return "?"
-    if name.startswith("ray::"):
-        return name.removeprefix("ray::").split(".")[0]
+    title = cmd[0] if cmd else name  # Ray's process title, whole: "ray::EngineActor.generate"
+    if title.startswith("ray::"):
+        return title.removeprefix("ray::").split(".")[0].split(" ")[0]
     if cmd and "agentrl.cli" in " ".join(cmd[:4]):
         return "driver"
     base = os.path.basename(cmd[0]) if cmd else name
