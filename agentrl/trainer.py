@@ -516,7 +516,13 @@ class Trainer:
                 logger.log(self.step, before)
                 summary.update(before)
             self.runs = [r.run.remote() for r in self.rollouts]
-            summary.update(self._loop(logger))
+            try:
+                summary.update(self._loop(logger))
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+                # the learner or the replay queue (the actors whose state cannot be rebuilt) died
+                # outside a step, e.g. under a refit's export
+                raise RunStopped(f"an actor the run cannot replace died ({type(exc).__name__}: {str(exc)[:500]})\n"
+                                 + self._resume_hint()) from exc
             for r in self.rollouts:
                 r.stop.remote()
             if cfg.eval.num_episodes:
@@ -700,18 +706,19 @@ class Trainer:
             return self._get("learner_step", ref, f"learner step {self.step + 1}", recover=False,
                              focus=self._learner_names())
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, RunStalled) as exc:
-            latest = self.ckpt_dir / "latest"
-            since = latest.read_text().strip() if latest.is_file() else None
             n = sum(len(g.trajectories) for g in groups)
             cause = (f"the learner died during step {self.step + 1} ({type(exc).__name__}: {str(exc)[:500]})"
                      if not isinstance(exc, RunStalled) else str(exc))
-            raise RunStopped(
-                f"{cause}\nthe run stopped at step {self.step}: the learner's state since "
+            raise RunStopped(f"{cause}\n{self._resume_hint()} The {len(groups)} groups ({n} trajectories) of the "
+                             "unfinished step were consumed and not trained on.") from exc
+
+    def _resume_hint(self) -> str:
+        latest = self.ckpt_dir / "latest"
+        since = latest.read_text().strip() if latest.is_file() else None
+        return (f"the run stopped at step {self.step}: the learner's state since "
                 + (f"its last checkpoint ({self.ckpt_dir / since}) is lost; `agentrl train CONFIG --resume` "
-                   "continues from there" if since else "the start is lost (no checkpoint yet; train."
-                   "checkpoint_interval); start again")
-                + f". The {len(groups)} groups ({n} trajectories) of the unfinished step were consumed and not trained on."
-            ) from exc
+                   "continues from there." if since else "the start is lost (no checkpoint yet; train."
+                   "checkpoint_interval); start again."))
 
     def _fault_metrics(self) -> dict[str, float]:
         wd = self.watchdog
