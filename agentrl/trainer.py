@@ -703,14 +703,35 @@ class Trainer:
         it dies or freezes the run stops, naming the cause, and --resume continues from the last
         checkpoint."""
         try:
-            return self._get("learner_step", ref, f"learner step {self.step + 1}", recover=False,
-                             focus=self._learner_names())
+            if self.watchdog is None:
+                return ray.get(ref)
+            # A CPU learner that keeps burning CPU is slow, not stuck (a loaded machine); on a GPU a
+            # hung collective spins the CPU too, so there the deadline alone decides.
+            progress = self._learner_cpu if self.cfg.learner.num_gpus == 0 else None
+            return self.watchdog.get("learner_step", ref, what=f"learner step {self.step + 1}",
+                                     focus=self._learner_names(), progress=progress)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError, RunStalled) as exc:
             n = sum(len(g.trajectories) for g in groups)
             cause = (f"the learner died during step {self.step + 1} ({type(exc).__name__}: {str(exc)[:500]})"
                      if not isinstance(exc, RunStalled) else str(exc))
             raise RunStopped(f"{cause}\n{self._resume_hint()} The {len(groups)} groups ({n} trajectories) of the "
                              "unfinished step were consumed and not trained on.") from exc
+
+    def _learner_cpu(self) -> Any:
+        """CPU seconds the learner processes have used (whole seconds; None if not on this host)."""
+        import psutil
+
+        total = 0.0
+        for name in self._learner_names():
+            pid = self.watchdog.pids.get(name)
+            try:
+                t = psutil.Process(pid).cpu_times() if pid and self.watchdog.is_same_process(name, pid) else None
+            except psutil.Error:
+                t = None
+            if t is None:
+                return None
+            total += t.user + t.system
+        return int(total)
 
     def _resume_hint(self) -> str:
         latest = self.ckpt_dir / "latest"

@@ -151,7 +151,7 @@ def test_a_stall_recovers_or_stops_with_the_report(ray_local, tmp_path):
 @pytest.mark.slow
 def test_a_healthy_slow_run_raises_no_alarm(tiny_model_dir, tmp_path):
     """Slow tools (0.5-1.5 s a call), long trajectories (a slow learner step) and tight watchdog
-    settings (floor 2 s, 4x the recent 0.9 quantile): deadlines follow the run, none fires."""
+    settings (floor 5 s, 4x the recent 0.9 quantile): deadlines follow the run, none fires."""
     import ray
 
     from agentrl.trainer import Trainer
@@ -161,7 +161,7 @@ def test_a_healthy_slow_run_raises_no_alarm(tiny_model_dir, tmp_path):
     cfg = load_config(None, e2e_overrides(
         tiny_model_dir, run_dir, "env.id=tests.e2e_envs:Chaos-v0", "env.kwargs={delay_s: 1.0}",
         "rollout.max_new_tokens=96", "rollout.max_turns=3", "train.num_steps=8",
-        "watchdog.floor_s=2", "watchdog.factor=4", "watchdog.min_samples=2", "watchdog.first_s=300"))
+        "watchdog.floor_s=5", "watchdog.factor=4", "watchdog.min_samples=2", "watchdog.first_s=300"))
     start_ray()
     trainer = Trainer(cfg, progress=False)
     try:
