@@ -65,6 +65,12 @@ class ReplayMachine(RuleBasedStateMachine):
     def abandon(self):
         self.q.release(self.pending.pop())
 
+    @precondition(lambda self: self.pending)
+    @rule()
+    def rollout_actor_dies(self):
+        # its groups in flight are lost with it: their slots come back, counted as abandoned
+        self.q.abandon(self.pending.pop())
+
     @rule()
     def learner_step(self):
         batch = self.q.take(self.per_step, self.learner_version)
@@ -94,6 +100,12 @@ class ReplayMachine(RuleBasedStateMachine):
         # every group put is queued, consumed or dropped as stale (counted)
         assert len(self.put_ids) == len(queued) + len(self.consumed_ids) + self.q.stats.dropped_stale
 
+
+    @invariant()
+    def every_admission_is_accounted_for(self):
+        st_ = self.q.stats
+        assert st_.abandoned <= st_.released
+        assert st_.admitted == st_.put + st_.released + self.q.in_flight
 
     @invariant()
     def only_lagging_groups_are_dropped(self):
