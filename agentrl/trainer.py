@@ -284,6 +284,12 @@ class Trainer:
                     self._kill_frozen(r, named[r.name])
                 self._replace_rollout(int(r.name[len("rollout"):]), "was " + r.state)
                 r.action, acted = "replaced; its groups in flight are counted as abandoned", True
+        if not acted:
+            # Nothing frozen or lost, and actors are busy and answering: a slow machine more likely
+            # than a hang. Wait again; watchdog.max_recoveries such waits in a row stop the run.
+            for r in reports:
+                if r.state == "busy" and not r.name.startswith(("learner", "replay")):
+                    r.action, acted = "busy and answering: waiting again", True
         if restarting:  # as long as the engines took to start, with the watchdog's margin
             wc = self.cfg.watchdog
             start = self.engine_start_s or wc.first_s
@@ -718,7 +724,8 @@ class Trainer:
                              "unfinished step were consumed and not trained on.") from exc
 
     def _learner_cpu(self) -> Any:
-        """CPU seconds the learner processes have used (whole seconds; None if not on this host)."""
+        """CPU seconds the learner processes have used, to a tenth (None if not on this host): a
+        learner starved on a loaded machine still moves it; one blocked for good does not."""
         import psutil
 
         total = 0.0
@@ -731,7 +738,7 @@ class Trainer:
             if t is None:
                 return None
             total += t.user + t.system
-        return int(total)
+        return round(total, 1)
 
     def _resume_hint(self) -> str:
         latest = self.ckpt_dir / "latest"

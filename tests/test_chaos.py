@@ -59,7 +59,7 @@ def chaos(tiny_model_dir, tmp_path_factory):
     cfg = load_config(None, e2e_overrides(
         tiny_model_dir, run_dir, f"env.id={CHAOS_ENV}", "env.kwargs={raise_reset_every: 5, hang_prob: 0.02}",
         "env.step_timeout_s=3", f"train.num_steps={MAX_STEPS}", "train.checkpoint_interval=4",
-        "watchdog.floor_s=8", "watchdog.first_s=300", "watchdog.ping_timeout_s=5", "watchdog.min_samples=2"))
+        "watchdog.floor_s=20", "watchdog.first_s=300", "watchdog.ping_timeout_s=5", "watchdog.min_samples=2"))
     start_ray()
     trainer = Trainer(cfg, progress=False)
     out: dict = {"cfg": cfg, "run_dir": run_dir, "trained": [], "errors": []}
@@ -168,7 +168,7 @@ def test_frozen_engine_is_diagnosed_and_restarted(chaos):
     # its stacks read from outside the frozen process (py-spy), the other actors' states listed
     assert f"stacks of engine0 (pid {pid})" in text and "Thread" in text
     assert all(f"{name} " in text for name in ("replay", "learner0", "rollout0", "rollout1"))
-    assert chaos["engine_detect_s"] < 120  # deadline (floor 8 s, 5x recent batch waits) + ping + dump
+    assert chaos["engine_detect_s"] < 180  # deadline (floor 20 s, 5x recent waits) + ping + dumps, on a loaded machine
 
 
 def test_killed_rollout_actor_is_replaced_and_its_groups_counted(chaos):
