@@ -139,7 +139,8 @@ def chaos(tiny_model_dir, tmp_path_factory):
         out["version"] = trainer.version
         out["rollout_stats"] = ray.get([r.stats.remote() for r in trainer.rollouts])
         out["faults"] = trainer._fault_metrics()
-        out["pids"] = dict(trainer.watchdog.pids)
+        out["pids"] = {"engine0": ray.get(trainer.engines[0].pid.remote()),
+                       "rollout0": ray.get(trainer.rollouts[0].ping.remote())["pid"]}
         out["num_steps"] = trainer.cfg.train.num_steps
     finally:
         trainer.shutdown()
