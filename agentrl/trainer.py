@@ -527,7 +527,10 @@ class Trainer:
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 # the learner or the replay queue (the actors whose state cannot be rebuilt) died
                 # outside a step, e.g. under a refit's export
-                raise RunStopped(f"an actor the run cannot replace died ({type(exc).__name__}: {str(exc)[:500]})\n"
+                text = str(exc)
+                who = ("the learner" if "LearnerActor" in text else "the replay queue" if "ReplayActor" in text
+                       else "an actor the run cannot replace")
+                raise RunStopped(f"{who} died after step {self.step} ({type(exc).__name__}: {text[:500]})\n"
                                  + self._resume_hint()) from exc
             for r in self.rollouts:
                 r.stop.remote()
