@@ -192,7 +192,8 @@ class Watchdog:
         for name, ref in refs.items():
             ready, _ = ray.wait([ref], timeout=0)
             if not ready:
-                reports[name] = ActorReport(name, "unresponsive", self.pids.get(name))
+                reports[name] = ActorReport(name, "unresponsive", self.pids.get(name),
+                                            error=self._process_state(name))
                 continue
             try:
                 status = dict(ray.get(ref))
@@ -205,6 +206,20 @@ class Watchdog:
             busy = bool(status.pop("busy", False))
             reports[name] = ActorReport(name, "busy" if busy else "idle", pid, status=status)
         return [reports[n] for n in actors if n in reports]
+
+    def _process_state(self, name: str) -> str:
+        """What the OS says of an unresponsive actor's process: stopped (SIGSTOP), gone, ..."""
+        pid = self.pids.get(name)
+        if pid is None:
+            return "pid unknown"
+        try:
+            import psutil
+
+            if not self.process_alive(name, pid):
+                return f"process {pid} is gone (restarting?)"
+            return f"process {pid} is {psutil.Process(pid).status()}"
+        except Exception:  # noqa: BLE001
+            return ""
 
     def diagnose(self, focus: tuple[str, ...] = ()) -> list[ActorReport]:
         reports = self.ping_all()
@@ -246,6 +261,18 @@ class Watchdog:
             return self.pid_started.get(name) == psutil.Process(pid).create_time()
         except Exception:  # noqa: BLE001
             return False
+
+    def process_alive(self, name: str, pid: int) -> bool:
+        """Whether the process the actor ``name`` last answered from still exists (True where it
+        cannot be told: another node's process)."""
+        try:
+            import psutil
+
+            if not psutil.pid_exists(pid):
+                return False
+            return self.is_same_process(name, pid) or name not in self.pid_started
+        except Exception:  # noqa: BLE001
+            return True
 
     def refresh_pids(self) -> None:
         """Learn the pids of restarted actors without waiting: reads the pings sent last time that

@@ -270,7 +270,12 @@ class Trainer:
         acted = restarting = False
         named = self.named_actors()
         for r in reports:
-            if r.name.startswith(("engine", "teacher")) and r.state == "unresponsive":
+            gone = r.pid is not None and not self.watchdog.process_alive(r.name, r.pid)
+            if r.name.startswith(("engine", "teacher")) and r.state == "unresponsive" and gone:
+                # its process is gone: Ray is restarting it (a new process does not answer until
+                # its actor is built); killing it again would only start that over
+                r.action, acted, restarting = "its process is gone: Ray is restarting it; waiting", True, True
+            elif r.name.startswith(("engine", "teacher")) and r.state == "unresponsive":
                 self._kill_frozen(r, named[r.name])
                 self.num_engine_restarts += 1
                 r.action, acted = "killed; Ray restarts it and it loads the current weights", True
@@ -280,7 +285,7 @@ class Trainer:
             elif r.name.startswith(("engine", "teacher")) and r.status.get("started") is False:
                 r.action, acted, restarting = "starting vLLM (restarted); waiting for it", True, True
             elif r.name.startswith("rollout") and r.state in ("unresponsive", "dead"):
-                if r.state == "unresponsive":
+                if r.state == "unresponsive" and not gone:
                     self._kill_frozen(r, named[r.name])
                 self._replace_rollout(int(r.name[len("rollout"):]), "was " + r.state)
                 r.action, acted = "replaced; its groups in flight are counted as abandoned", True
