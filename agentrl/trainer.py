@@ -295,10 +295,10 @@ class Trainer:
             for r in reports:
                 if r.state == "busy" and not r.name.startswith(("learner", "replay")):
                     r.action, acted = "busy and answering: waiting again", True
-        if restarting:  # as long as the engines took to start, with the watchdog's margin
+        if restarting:  # twice as long as the engines took to start (a longer grace would hide the next fault)
             wc = self.cfg.watchdog
             start = self.engine_start_s or wc.first_s
-            self.watchdog.grace(min(wc.first_s, max(wc.floor_s, wc.factor * start)))
+            self.watchdog.grace(min(wc.first_s, max(wc.floor_s, 2 * start)))
         return acted
 
     def _progress(self) -> Any:
@@ -308,7 +308,9 @@ class Trainer:
             m = ray.get(self.replay.metrics.remote(), timeout=self.cfg.watchdog.ping_timeout_s)
         except Exception:  # noqa: BLE001 (judged by the diagnosis)
             return None
-        return tuple(m.get(k) for k in ("replay/admitted", "replay/put", "replay/released", "replay/dropped_stale"))
+        # groups finishing (queued, given back after failing, dropped as stale); not admissions:
+        # a slot taken is not work done, and a frozen engine still lets new groups be admitted
+        return tuple(m.get(k) for k in ("replay/put", "replay/released", "replay/dropped_stale"))
 
     def _get(self, kind: str, refs: Any, what: str, *, recover: bool = True, focus: tuple[str, ...] = (),
              progress: bool = False) -> Any:
