@@ -104,6 +104,7 @@ class RolloutActor(AsyncDiag):
         self.num_groups = 0
         self.num_failed_groups = 0
         self.num_in_flight = 0
+        self._failures_in_a_row = 0
 
     async def endpoint(self):
         """This worker's OpenAI-compatible endpoint (agent mode), started on first use."""
@@ -162,7 +163,12 @@ class RolloutActor(AsyncDiag):
             if not group.trainable():  # every episode failed (e.g. its engine died): nothing to learn
                 self.num_failed_groups += 1
                 await self.replay.release.remote(ticket, self.owner)
+                # Back off: while an engine restarts its calls fail at once, and retrying at full
+                # speed only burns CPU and failed groups (the soak run counted hundreds).
+                self._failures_in_a_row += 1
+                await anyio.sleep(min(10.0, 0.25 * 2 ** min(self._failures_in_a_row, 6)))
                 continue
+            self._failures_in_a_row = 0
             if self.teachers and not (self.cfg.replay.dynamic_sampling and zero_spread(group)):
                 try:
                     await self._score(group)
