@@ -226,6 +226,7 @@ class Trainer:
         lost = ray.get(self.replay.abandon.remote(owner))
         self.num_abandoned_groups += lost
         self.rollout_generation[i] += 1
+        self.watchdog.pids.pop(f"rollout{i}", None)  # the replacement answers from a new process
         self.rollouts[i] = self._make_rollout(i)
         if self.runs:
             self.runs[i] = self.rollouts[i].run.remote()
@@ -271,7 +272,10 @@ class Trainer:
         named = self.named_actors()
         for r in reports:
             gone = r.pid is not None and not self.watchdog.process_alive(r.name, r.pid)
-            if r.name.startswith(("engine", "teacher")) and r.state == "unresponsive" and gone:
+            if r.state == "unresponsive" and r.pid is None and not r.name.startswith(("learner", "replay")):
+                # a new actor (a replacement) that has not answered yet: it is still being built
+                r.action, acted, restarting = "starting (has not answered yet); waiting", True, True
+            elif r.name.startswith(("engine", "teacher")) and r.state == "unresponsive" and gone:
                 # its process is gone: Ray is restarting it (a new process does not answer until
                 # its actor is built); killing it again would only start that over
                 r.action, acted, restarting = "its process is gone: Ray is restarting it; waiting", True, True
@@ -289,12 +293,13 @@ class Trainer:
                     self._kill_frozen(r, named[r.name])
                 self._replace_rollout(int(r.name[len("rollout"):]), "was " + r.state)
                 r.action, acted = "replaced; its groups in flight are counted as abandoned", True
-        if not acted:
-            # Nothing frozen or lost, and actors are busy and answering: a slow machine more likely
-            # than a hang. Wait again; watchdog.max_recoveries such waits in a row stop the run.
+        if not acted and all(r.state in ("idle", "busy") for r in reports):
+            # Nothing frozen or lost, every actor answers: a slow machine is more likely than a
+            # hang. Wait again; watchdog.max_recoveries such waits in a row stop the run.
             for r in reports:
-                if r.state == "busy" and not r.name.startswith(("learner", "replay")):
-                    r.action, acted = "busy and answering: waiting again", True
+                if r.state == "busy":
+                    r.action = "busy and answering: waiting again"
+            acted = True
         if restarting:  # twice as long as the engines took to start (a longer grace would hide the next fault)
             wc = self.cfg.watchdog
             start = self.engine_start_s or wc.first_s
