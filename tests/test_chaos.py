@@ -134,13 +134,13 @@ def chaos(tiny_model_dir, tmp_path_factory):
         out["summary"] = trainer.run()
         out["run_s"] = time.perf_counter() - t0
         thread.join(timeout=30)
-        out["counts"] = ray.get(trainer.replay.metrics.remote())
-        out["engine_version"] = ray.get(trainer.engines[0].version.remote())
+        out["counts"] = ray.get(trainer.replay.metrics.remote(), timeout=120)
+        out["engine_version"] = ray.get(trainer.engines[0].version.remote(), timeout=120)
         out["version"] = trainer.version
-        out["rollout_stats"] = ray.get([r.stats.remote() for r in trainer.rollouts])
+        out["rollout_stats"] = ray.get([r.stats.remote() for r in trainer.rollouts], timeout=120)
         out["faults"] = trainer._fault_metrics()
-        out["pids"] = {"engine0": ray.get(trainer.engines[0].pid.remote()),
-                       "rollout0": ray.get(trainer.rollouts[0].ping.remote())["pid"]}
+        out["pids"] = {"engine0": ray.get(trainer.engines[0].pid.remote(), timeout=120),
+                       "rollout0": ray.get(trainer.rollouts[0].ping.remote(), timeout=120)["pid"]}
         out["num_steps"] = trainer.cfg.train.num_steps
     finally:
         trainer.shutdown()
