@@ -10,6 +10,7 @@ that a restart could fail (ray-project/ray#53727), while a name is looked up afr
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import ray
@@ -30,7 +31,8 @@ class EngineActor(AsyncDiag):
 
         from agentrl.engines.vllm_engine import VLLMEngine, private_tmpdir
 
-        tempfile.tempdir = str(private_tmpdir())  # what vLLM leaves there goes when this process does
+        tmp = str(private_tmpdir())  # what vLLM leaves there goes when this process does
+        tempfile.tempdir = os.environ["TMPDIR"] = tmp  # the env var for vLLM's engine-core process
         self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode)
         self.weight_source = weight_source
         self._started = False
