@@ -286,6 +286,20 @@ class Trainer:
         ray.get([e.wake_up.remote() for e in self.engines])
         return time.perf_counter() - t0
 
+    def _wake_failure(self, exc: Exception, mem: dict[str, float]) -> Exception:
+        """A colocated engine that cannot wake for lack of GPU memory: say what holds it and what to change."""
+        if "out of memory" not in str(exc).lower():
+            return exc
+        share = self.cfg.engine.gpu_memory_utilization
+        held = mem.get("reserved_gib")
+        return RuntimeError(
+            f"a sleeping engine could not wake: out of GPU memory. It asks for engine.gpu_memory_utilization={share} "
+            f"of the GPU while the learner still holds {'?' if held is None else f'{held:.1f}'} GiB (its weights, "
+            "optimizer state and refit buffer stay resident while the engine sleeps). Lower "
+            "engine.gpu_memory_utilization to what the KV cache needs, or shrink the learner "
+            "(learner.megatron.activation_checkpointing=true, a smaller packing.max_tokens_per_microbatch)."
+        )
+
     def evaluate(self, label: str) -> dict[str, float]:
         ev = self.cfg.eval
         metrics = ray.get(self.rollouts[0].evaluate.remote(ev.num_episodes, ev.seed_offset, ev.temperature))
@@ -418,10 +432,10 @@ class Trainer:
                         # What the learner still holds when the engines wake (its step's cache returned).
                         mem = ray.get(self.learner.free_memory.remote())
                         metrics.update({f"memory/learner_{k}": v for k, v in mem.items()})
-                        if refit_due:
-                            self._last_refit_s = self.refit()
-                        else:
-                            self._last_refit_s = self._wake_engines()
+                        try:
+                            self._last_refit_s = self.refit() if refit_due else self._wake_engines()
+                        except Exception as exc:
+                            raise self._wake_failure(exc, mem) from exc
                         metrics["timing/engine_sleep"] = sleep_s
                     else:
                         refit_wait_s = self._start_refit() if refit_due else 0.0
