@@ -107,7 +107,7 @@ def overrides(args: argparse.Namespace, wl, model: str, files: dict[str, str], s
     n = lengths(wl)
     like = setting == "like"
     steps = args.warmup + args.steps
-    max_tokens_per_gpu = max(16384, 2 * n["model_len"])
+    max_tokens_per_gpu = max(16384, n["model_len"])  # verl's default; one 16k episode per micro-batch
     engine_mem = args.engine_mem or (0.3 if like else 0.5)
     out = [
         # data: one optimizer step per batch of `prompts_per_step` groups
@@ -275,15 +275,34 @@ def dry_run(args: argparse.Namespace, wl, model: str, files: dict[str, str], set
           f"model tokens {sum(mask)}; reward {score['score']:.4f} (of the whole decoded response it "
           f"would be {whole['score']:.4f})")
     assert prompt_len <= rollout.prompt_length and len(response) <= rollout.response_length
+    diff = packed_sdpa_check(model)
+    assert diff < 1e-3, f"packed sequences attend across their boundary under sdpa (max |dlogit| {diff})"
+    print(f"[dry-run] remove-padding under sdpa: packed == separate (max |dlogit| {diff:.1e})")
     print(f"[dry-run] {setting}: ok ({time.perf_counter() - t0:.1f}s)")
 
 
 def _load_reward(cfg):
     """The reward function as verl loads it (`reward.custom_reward_function`)."""
-    from verl.utils.import_utils import load_extern_object
+    from verl.trainer.ppo.reward import get_custom_reward_fn
 
-    spec = cfg.reward.custom_reward_function
-    return load_extern_object(spec.path, spec.name)
+    return get_custom_reward_fn(cfg)
+
+
+def packed_sdpa_check(model: str) -> float:
+    """Without flash-attn the actor runs remove-padding through sdpa: two sequences packed into one
+    row (no attention mask, position ids restarting at 0, as verl feeds the model) must give the
+    logits of each sequence alone. Returns the largest difference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    m = AutoModelForCausalLM.from_pretrained(model, attn_implementation="sdpa", dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, 700, (1, 37), generator=g), torch.randint(0, 700, (1, 53), generator=g)
+    with torch.no_grad():
+        alone = torch.cat([m(input_ids=a).logits, m(input_ids=b).logits], dim=1)
+        pos = torch.cat([torch.arange(37), torch.arange(53)]).unsqueeze(0)
+        packed = m(input_ids=torch.cat([a, b], dim=1), position_ids=pos, use_cache=False).logits  # as verl calls it
+    return float((alone - packed).abs().max())
 
 
 class _Stamps(threading.Thread):
@@ -315,7 +334,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
     ovr = overrides(args, wl, model, files, setting, str(log_file))
     res.extra["overrides"] = ovr
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log_file), "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ovr]
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ovr, f"hydra.run.dir={args.workdir}/verl-hydra/{wl.name}-{setting}"]
     print("verl:", " ".join(cmd), flush=True)
     stamps = _Stamps(log_file)
     sampler = GpuSampler().start()
@@ -392,7 +411,9 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--engine-mem", type=float, default=0.0,
                    help="rollout.gpu_memory_utilization (0: 0.5, verl's default; like: 0.3)")
-    p.add_argument("--timeout", type=int, default=500, help="seconds for one verl run (a Result is written either way)")
+    p.add_argument("--timeout", type=int, default=int(os.environ.get("RUN_TIMEOUT", 540)) - 45,
+                   help="seconds for one verl run, then it is stopped and its steps so far are written "
+                        "(default: device.sh's RUN_TIMEOUT - 45)")
     p.add_argument("--out", default="peers.json")
     p.add_argument("--workdir", default="/tmp/peers")
     p.add_argument("--dry-run", action="store_true", help="CPU: build and check config, data, tool, reward; no training")
