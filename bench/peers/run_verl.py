@@ -32,6 +32,7 @@ Settings:
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -45,7 +46,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.peers.common import (  # noqa: E402
+from bench.peers.common import (
     PINNED,
     WORKLOADS,
     GpuSampler,
@@ -161,9 +162,9 @@ def overrides(args: argparse.Namespace, wl, model: str, files: dict[str, str], s
 
 def compose(ovr: list[str]):
     """verl's `ppo_trainer` config with ``ovr``, composed as `verl.trainer.main_ppo` does."""
-    import verl.trainer.main_ppo as main_ppo
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
+    from verl.trainer import main_ppo
 
     with initialize_config_dir(config_dir=str(Path(main_ppo.__file__).parent / "config"), version_base=None):
         return hydra_compose(config_name="ppo_trainer", overrides=ovr)
@@ -178,7 +179,6 @@ def dry_run(args: argparse.Namespace, wl, model: str, files: dict[str, str], set
     import hydra
     from omegaconf import OmegaConf
     from transformers import AutoTokenizer
-
     from verl.trainer.ppo.utils import need_critic, need_reference_policy
     from verl.utils.config import omega_conf_to_dataclass, validate_config
     from verl.utils.device import auto_set_device
@@ -226,7 +226,7 @@ def dry_run(args: argparse.Namespace, wl, model: str, files: dict[str, str], set
 
     rng = random.Random(0)
     word_ids = [i for i in range(len(tok)) if tok.decode([i]).strip().isalpha()][:200]
-    reply = lambda: [rng.choice(word_ids) for _ in range(wl.new_tokens)]  # noqa: E731
+    reply = lambda: [rng.choice(word_ids) for _ in range(wl.new_tokens)]
     messages = list(row["raw_prompt"])
     if not wl.tool_calls:
         ids = builder.build_initial_tokens(messages)
@@ -376,7 +376,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
         st = stamps.stamps[-len(rows):] if len(stamps.stamps) >= len(rows) else []
         verl_walls = [r["timing_s/step"] for r in rows]
         # wall between step ends as the other runners measure it; the first step has no start here
-        walls = [verl_walls[0], *(b - a for a, b in zip(st, st[1:]))] if len(st) == len(rows) else verl_walls
+        walls = [verl_walls[0], *(b - a for a, b in itertools.pairwise(st))] if len(st) == len(rows) else verl_walls
         trained = [r.get("perf/total_num_tokens", 0.0) for r in rows]
         n_seq = wl.group_size * wl.prompts_per_step
         # every reply is new_tokens long; num_turns counts 2 per reply (user/tool turn + assistant turn)
@@ -411,7 +411,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--engine-mem", type=float, default=0.0,
                    help="rollout.gpu_memory_utilization (0: 0.5, verl's default; like: 0.3)")
-    p.add_argument("--timeout", type=int, default=int(os.environ.get("RUN_TIMEOUT", 540)) - 45,
+    p.add_argument("--timeout", type=int, default=int(os.environ.get("RUN_TIMEOUT", "540")) - 45,
                    help="seconds for one verl run, then it is stopped and its steps so far are written "
                         "(default: device.sh's RUN_TIMEOUT - 45)")
     p.add_argument("--out", default="peers.json")
@@ -440,7 +440,7 @@ def main() -> None:
             continue
         try:
             res = run_setting(args, wl, model, files, setting)
-        except Exception as exc:  # the harness itself failed: still one row with the reason
+        except Exception as exc:  # noqa: BLE001  (the harness itself failed: still one row with the reason)
             traceback.print_exc()
             res = Result(system="verl", setting=setting, workload=wl.name, status="error",
                          reason=f"{type(exc).__name__}: {str(exc)[-600:]}", workload_spec=wl.__dict__.copy())

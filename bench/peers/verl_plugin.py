@@ -28,13 +28,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop  # noqa: E402
-from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop  # noqa: E402
-from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser  # noqa: E402
-from verl.tools.base_tool import BaseTool  # noqa: E402
-from verl.tools.schemas import ToolResponse  # noqa: E402
+from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+from verl.experimental.agent_loop.tool_agent_loop import ToolAgentLoop
+from verl.experimental.agent_loop.tool_parser import FunctionCall, ToolParser
+from verl.tools.base_tool import BaseTool
+from verl.tools.schemas import ToolResponse
 
-from bench.peers.common import reply_reward  # noqa: E402
+from bench.peers.common import reply_reward
 
 PARSER = "harness_every_reply"
 
