@@ -59,7 +59,8 @@ class VLLMEngine:
     LORA_ID = 1  # the one adapter slot the policy uses; reloaded in place at every refit
 
     def __init__(self, model_path: str, cfg: "EngineConfig", *, dtype: str = "float32", seed: int = 0,
-                 enable_sleep_mode: bool = False, lora: "LoRAConfig | None" = None) -> None:
+                 enable_sleep_mode: bool = False, lora: "LoRAConfig | None" = None,
+                 engine_args: dict | None = None) -> None:
         self.model_path = model_path
         self.cfg = cfg
         self.dtype = dtype
@@ -73,6 +74,7 @@ class VLLMEngine:
         self.lora = lora if lora is not None and lora.enabled else None
         self.lora_request = None  # vllm LoRARequest of the adapter now served (None: the base)
         self._adapter_dir: Path | None = None
+        self.engine_args = dict(engine_args or {})
 
     async def start(self) -> None:
         """Start the engine (spawns vLLM's engine-core process)."""
@@ -101,6 +103,7 @@ class VLLMEngine:
             worker_extension_cls="agentrl.engines.worker_ext.WeightSyncExtension",
             enable_sleep_mode=self.enable_sleep_mode,
             **self._lora_args(),
+            **self.engine_args,
         )
         self._llm = AsyncLLM.from_engine_args(args)
 
