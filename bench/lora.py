@@ -158,6 +158,8 @@ def bench_refit(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, A
                             del buf
                         out = await eng.generate(list(range(10, 30)), max_tokens=4, temperature=0.0)
                         assert out.versions == [v] * len(out.token_ids)
+                    if mode == "lora":
+                        await refit_direct(eng, tensors, row, args)
                 finally:
                     eng.shutdown()
                 row["first_refit_s"] = times[0]  # the first load allocates; the rest are steady state
@@ -172,6 +174,57 @@ def bench_refit(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, A
             print(f"[refit] {json.dumps(row)}", flush=True)
             rows.append(row)
     return rows
+
+
+async def refit_direct(eng: Any, tensors: dict, row: dict[str, Any], args: argparse.Namespace) -> None:
+    """The file-free adapter swap (worker_ext.agentrl_swap_adapter) beside the engine's file path:
+    its seconds, and whether it gives the same greedy output as the file path for the same adapter."""
+    import torch
+
+    from agentrl.lora import adapter_config, write_adapter_dir
+    from agentrl.refit import flatten_weights, ipc_handle, spec_to_bytes
+
+    cuda = torch.cuda.is_available()
+    config_json = json.dumps(adapter_config(eng.lora, eng.model_path))
+
+    async def swap(ts: dict) -> float:
+        t0 = time.perf_counter()
+        if cuda:
+            buf, spec = flatten_weights(ts)
+            torch.cuda.synchronize()
+            source, layout = ipc_handle(buf), spec_to_bytes(spec)
+        else:
+            source, layout = str(write_adapter_dir(Path(args.workdir) / "direct", ts, {}) / "adapter_model.safetensors"), None
+        await eng.llm.pause_generation(mode="keep", clear_cache=False)
+        try:
+            await eng.llm.collective_rpc("agentrl_swap_adapter", args=(source, layout, config_json, eng.LORA_ID))
+            await eng.llm.reset_prefix_cache()
+        finally:
+            await eng.llm.resume_generation()
+        return time.perf_counter() - t0
+
+    prompt = list(range(10, 40))
+
+    async def greedy() -> list[int]:
+        return (await eng.generate(prompt, max_tokens=16, temperature=0.0, ignore_eos=True)).token_ids
+
+    try:
+        times = [await swap(tensors) for _ in range(args.repeats)]
+        row["direct_swap_s_median"] = statistics.median(times)
+        row["direct_swap_s_all"] = [round(t, 4) for t in times]
+        other = {k: v * 50 for k, v in tensors.items()}  # large enough to move the greedy output
+        await swap(other)
+        direct_other = await greedy()
+        await eng.update_weights(other, eng.version + 1)
+        file_other = await greedy()
+        await swap(tensors)
+        direct_first = await greedy()
+        await eng.update_weights(tensors, eng.version + 1)
+        file_first = await greedy()
+        row["direct_equals_file_path"] = direct_other == file_other and direct_first == file_first
+        row["adapters_differ_in_output"] = file_other != file_first
+    except Exception as err:  # data for the follow-up, never a failed benchmark
+        row["direct_swap_error"] = f"{type(err).__name__}: {str(err)[:400]}"
 
 
 # -- fit -------------------------------------------------------------------------------------------
@@ -480,7 +533,10 @@ def summarize(r: dict[str, Any]) -> None:
         print(f"{'shape':6s} {'mode':5s} {'MB':>9s} {'refit s':>8s} {'pack s':>7s} {'first s':>8s}")
         for x in r["refit"]:
             print(f"{x['shape']:6s} {x['mode']:5s} {x['megabytes']:9.1f} {x['refit_s_median']:8.4f} "
-                  f"{x['pack_s_median']:7.4f} {x['first_refit_s']:8.4f}")
+                  f"{x['pack_s_median']:7.4f} {x['first_refit_s']:8.4f}"
+                  + (f"  file-free swap {x['direct_swap_s_median']:.4f} s, same output as the file path: "
+                     f"{x.get('direct_equals_file_path')}" if "direct_swap_s_median" in x else "")
+                  + (f"  file-free swap failed: {x['direct_swap_error']}" if "direct_swap_error" in x else ""))
         by = {(x["shape"], x["mode"]): x for x in r["refit"]}
         for shape in dict.fromkeys(x["shape"] for x in r["refit"]):
             f, lo = by.get((shape, "full")), by.get((shape, "lora"))
@@ -496,7 +552,7 @@ def summarize(r: dict[str, Any]) -> None:
         a = r["agreement"]
         for key in ("base_engine_vs_learner", "adapter_engine_vs_learner"):
             v = a[key]
-            print(f"{key}: mean |d| {v['mean_abs']:.4f}, max {v['max_abs']:.3f}, mismatch KL k3 {v['mismatch_kl_k3']:.5f}")
+            print(f"{key}: mean |d| {v['mean_abs']:.2e}, max {v['max_abs']:.2e}, mismatch KL k3 {v['mismatch_kl_k3']:.2e}")
     if r.get("e2e"):
         for name, x in r["e2e"]["runs"].items():
             print(f"e2e {name:14s} traj/s {x.get('trajectories_per_s', float('nan')):7.2f}  refit s "

@@ -102,6 +102,41 @@ class WeightSyncExtension:
         group.broadcast(buf)
         return self._agentrl_write_adapter(dict(unflatten_weights(buf.to("cpu"), layout)), path)
 
+    def agentrl_swap_adapter(self, source: bytes | str, spec: bytes | None, config_json: str, lora_id: int) -> int:
+        """Swap the adapter ``lora_id`` for new tensors without a file: from a CUDA IPC handle of
+        the learner's flat buffer (``spec`` its layout) or a safetensors path (``spec`` None).
+        Builds vLLM's LoRAModel from the tensors and replaces the loaded adapter in the worker's
+        adapter manager (the same steps as vLLM's in-place load, minus reading a directory).
+        Measured beside the file path in bench/lora.py; the engine's refit uses the file path."""
+        import json
+
+        import torch
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+
+        manager = self.model_runner.lora_manager
+        if spec is not None:
+            buffer = open_ipc_handle(source, self.device.index)  # type: ignore[arg-type]
+            tensors = {name: t.clone() for name, t in unflatten_weights(buffer, spec_from_bytes(spec))}
+            torch.cuda.synchronize()  # copied: the learner may free its buffer once this returns
+            del buffer
+        else:
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(source))
+        helper = PEFTHelper.from_dict(json.loads(config_json))
+        helper.validate_legal(manager.lora_config)
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device=str(self.device),
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
+        adapters = manager._adapter_manager
+        adapters.remove_adapter(lora_id)
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(lora_id)
+        return len(tensors)
+
     def _agentrl_write_adapter(self, tensors: dict, path: str) -> int:
         from pathlib import Path
 
