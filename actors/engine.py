@@ -22,12 +22,13 @@ __all__ = ["EngineActor"]
 @ray.remote
 class EngineActor:
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
-                 weight_source: Any = None, enable_sleep_mode: bool = False) -> None:
+                 weight_source: Any = None, enable_sleep_mode: bool = False, lora: Any = None) -> None:
         """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
         ``latest_weights`` a (re)started engine loads before it serves."""
         from agentrl.engines.vllm_engine import VLLMEngine
 
-        self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode)
+        self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode,
+                                 lora=lora)
         self.weight_source = weight_source
         self._started = False
         self._lock: asyncio.Lock | None = None
@@ -48,7 +49,7 @@ class EngineActor:
                     # Only object-store refits are staged (CPU tensors): a GPU transport's handle
                     # or broadcast cannot be replayed, and the engine serves its start weights.
                     weights = await refs[0]
-                    if isinstance(weights, dict):
+                    if isinstance(weights, dict):  # full weights, or the LoRA adapter's tensors
                         await self.engine.update_weights(weights, version, mode="drain")
             self._started = True
 
@@ -72,7 +73,8 @@ class EngineActor:
 
     async def update_weights(self, weights: dict, version: int, mode: str = "continue") -> float:
         await self._ready()
-        if version <= self.engine.version:  # a restarted engine may already have caught up
+        first_adapter = self.engine.lora is not None and self.engine.lora_request is None
+        if version <= self.engine.version and not first_adapter:  # a restarted engine may have caught up
             return 0.0
         return await self.engine.update_weights(weights, version, mode)  # type: ignore[arg-type]
 

@@ -140,7 +140,7 @@ class Trainer:
                            for i in range(cfg.engine.num_engines)]
         self.engines = [
             EngineActor.options(**engine_opts[i], max_restarts=-1, max_task_retries=0).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
-                     enable_sleep_mode=self.sleeping_engines)
+                     enable_sleep_mode=self.sleeping_engines, lora=cfg.learner.lora if cfg.learner.lora.enabled else None)
             for i in range(cfg.engine.num_engines)
         ]
         if co.enabled:
@@ -162,6 +162,10 @@ class Trainer:
             self._init_weight_group()
         if self.resume:
             self._restore()
+        elif cfg.learner.lora.enabled:
+            # Every request runs on the policy's adapter from the start (a fresh one equals the base):
+            # an in-flight request never switches from the base to an adapter at a later refit.
+            self.refit()
         self.rollouts = [
             RolloutActor.options(num_cpus=0, resources=cfg.rollout.resources).remote(
                 cfg, self.engines, self.replay, i, self.model_path, self.teachers)
@@ -421,7 +425,9 @@ class Trainer:
                     waiting_s = metrics.get("timing/learner_idle", 0.0)
                 else:
                     pending = None
-                    sleep_s = self._sleep_engines(level=2 if refit_due else 1) if self.sleeping_engines else 0.0
+                    # Level 2 drops the weights, which a full refit replaces; with LoRA the base stays (level 1).
+                    level = 2 if refit_due and not cfg.learner.lora.enabled else 1
+                    sleep_s = self._sleep_engines(level=level) if self.sleeping_engines else 0.0
                     t1b = time.perf_counter()
                     metrics = ray.get(self.learner.train_step.remote(groups))
                     t2 = time.perf_counter()
