@@ -26,7 +26,8 @@ for step in "$@"; do
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer-verl .peers/verl/*.whl || rc=1
       PYTHONPATH=/tmp/peer-verl:$PYTHONPATH python3 -c "import verl, transformers, tokenizers, tensordict, transfer_queue, vllm
 import verl.trainer.main_ppo, verl.workers.rollout.vllm_rollout.vllm_async_server, bench.peers.verl_plugin
-print('verl', verl.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'vllm', vllm.__version__)" || rc=1 ;;
+print('verl', verl.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'vllm', vllm.__version__)" \
+        || { echo "peers: verl does not import: no verl run in this call"; exit 1; } ;;
     agentrl:*|trl:*|verl:*)
       IFS=: read -r system workload settings <<< "$step"
       site=$PYTHONPATH; [ "$system" = trl ] && site=/tmp/peer-trl:$PYTHONPATH

@@ -310,10 +310,10 @@ class _Stamps(threading.Thread):
 
     def __init__(self, path: Path) -> None:
         super().__init__(daemon=True)
-        self.path, self.stamps, self._stop = path, [], threading.Event()
+        self.path, self.stamps, self._done = path, [], threading.Event()
 
     def run(self) -> None:
-        while not self._stop.wait(0.1):
+        while not self._done.wait(0.1):
             try:
                 n = self.path.read_bytes().count(b"\n") if self.path.is_file() else 0
             except OSError:
@@ -322,7 +322,7 @@ class _Stamps(threading.Thread):
                 self.stamps.append(time.perf_counter())
 
     def stop(self) -> None:
-        self._stop.set()
+        self._done.set()
         self.join()
 
 
