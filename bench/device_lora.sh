@@ -23,8 +23,13 @@ rc=0
 for step in "$@"; do
   case $step in
     install)
-      ls .peers/lora/*.whl >/dev/null 2>&1 || { echo "device_lora: carry .peers/lora (the PEFT wheel)"; exit 3; }
-      python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .peers/lora/*.whl 2>&1 | tail -2
+      # The device image has peft 0.21.0 (../shared/device/image-pip-freeze.txt); the carried wheel
+      # pins the version the CPU tests ran (0.21.2) and wins on PYTHONPATH.
+      if ls .peers/lora/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .peers/lora/*.whl 2>&1 | tail -2
+      else
+        echo "device_lora: no .peers/lora wheel carried: using the image's peft"
+      fi
       python3 -c "import torch, vllm, peft; print('torch', torch.__version__, 'vllm', vllm.__version__, 'peft', peft.__version__)" || rc=1 ;;
     a) timeout -k 20 "${A_TIMEOUT:-500}" python3 bench/lora.py --parts refit,fit --out "$OUT/lora_a.json" ${A_ARGS:-} 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/lora_a.log" || rc=1 ;;
