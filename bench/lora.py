@@ -18,8 +18,8 @@ Parts (``--parts``, any subset, in this order; the JSON at ``--out`` is rewritte
   GPU) for each of ``--learners`` (torch_full, torch_lora, megatron_full): trajectories/s, refit
   seconds, learner memory; then the LoRA / full ratios.
 
-    python bench/lora.py --parts refit,fit --out $OUT/lora_a.json      # device (bench/device_lora.sh)
-    python bench/lora.py --parts agreement,e2e --out $OUT/lora_b.json
+    python bench/lora.py --parts refit,fit,agreement --out $OUT/lora_a.json   # device (bench/device_lora.sh)
+    python bench/lora.py --parts e2e --out $OUT/lora_b.json
     python bench/lora.py --cpu --out /tmp/lora_cpu.json                # CPU: tiny shapes, every part
 """
 
@@ -480,7 +480,7 @@ def main() -> None:
     p.add_argument("--engine-kv-gib", type=float, default=4.0, help="KV cache an awake colocated engine needs")
     p.add_argument("--agreement-b-scale", type=float, default=0.01)
     p.add_argument("--learners", default="torch_lora,torch_full", help=f"of {', '.join(LEARNERS)}")
-    p.add_argument("--e2e-seconds", type=float, default=45.0, help="timed training per learner")
+    p.add_argument("--e2e-seconds", type=float, default=60.0, help="timed training per learner")
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--tool-latency", type=float, default=0.5)
     p.add_argument("--obs-words", type=int, default=150)
