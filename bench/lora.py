@@ -131,7 +131,7 @@ def bench_refit(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, A
                                    max_model_len=1024, enforce_eager=True, max_num_seqs=16)
             row: dict[str, Any] = {"shape": shape, "mode": mode, "tensors": len(tensors)}
 
-            async def scenario() -> None:
+            async def scenario(model_dir: str, eng_cfg: Any, lora: Any, mode: str, tensors: dict, row: dict) -> None:
                 eng = VLLMEngine(model_dir, eng_cfg, dtype="bfloat16" if cuda else "float32", lora=lora,
                                  engine_args={"load_format": "dummy"})
                 t0 = time.perf_counter()
@@ -167,7 +167,7 @@ def bench_refit(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, A
                 row["refit_s_all"] = [round(t, 4) for t in times]
                 row["pack_s_median"] = statistics.median(packs[1:])
 
-            asyncio.run(scenario())
+            asyncio.run(scenario(model_dir, eng_cfg, lora, mode, tensors, row))
             del tensors
             if cuda:
                 torch.cuda.empty_cache()
