@@ -8,8 +8,8 @@ Parts (``--parts``, any subset, in this order; the JSON at ``--out`` is rewritte
   buffer, the colocated transport) vs the adapter's tensors (rank ``--rank`` on every linear
   layer, the same transport, loaded in place), each ``--repeats`` times: seconds (median, with
   packing the buffer) and megabytes moved.
-- ``fit``: one learner step (the torch learner's path: HF model, packed FlexAttention forward,
-  chunked logprobs, AdamW) at 1.5B/3B/7B/14B, full fine-tuning vs LoRA, each in a process of its
+- ``fit``: two learner steps (the torch learner's pieces: HF model, SDPA forward of equal-length
+  rows, chunked logprobs, AdamW) at 1.5B/3B/7B/14B, full fine-tuning vs LoRA, each in a process of its
   own: peak and resident GPU memory, or OOM; "fits colocated" also counts the engine beside it.
 - ``agreement``: a 1.5B-shaped checkpoint, a random adapter refit into the engine by CUDA IPC;
   tokens sampled at T = 1 scored again by the learner (HF + PEFT, bf16): mean/max |diff| and the
@@ -18,8 +18,8 @@ Parts (``--parts``, any subset, in this order; the JSON at ``--out`` is rewritte
   GPU) for each of ``--learners`` (torch_full, torch_lora, megatron_full): trajectories/s, refit
   seconds, learner memory; then the LoRA / full ratios.
 
-    python bench/lora.py --parts refit,fit --out $OUT/lora_a.json      # device (bench/device_lora.sh)
-    python bench/lora.py --parts agreement,e2e --out $OUT/lora_b.json
+    python bench/lora.py --parts refit,fit,agreement --out $OUT/lora_a.json   # device (bench/device_lora.sh)
+    python bench/lora.py --parts e2e --out $OUT/lora_b.json
     python bench/lora.py --cpu --out /tmp/lora_cpu.json                # CPU: tiny shapes, every part
 """
 
@@ -72,7 +72,7 @@ def config_dir(out: Path, shape: str) -> str:
     from agentrl.tiny import bootstrap_tiny
 
     out = Path(out)
-    if not (out / "config.json").is_file() or (out / "shape.txt").read_text() != shape:
+    if not (out / "shape.txt").is_file() or (out / "shape.txt").read_text() != shape:
         bootstrap_tiny(out, log=lambda *a, **k: None)
         for f in out.glob("model*.safetensors"):
             f.unlink()
@@ -131,7 +131,7 @@ def bench_refit(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, A
                                    max_model_len=1024, enforce_eager=True, max_num_seqs=16)
             row: dict[str, Any] = {"shape": shape, "mode": mode, "tensors": len(tensors)}
 
-            async def scenario() -> None:
+            async def scenario(model_dir: str, eng_cfg: Any, lora: Any, mode: str, tensors: dict, row: dict) -> None:
                 eng = VLLMEngine(model_dir, eng_cfg, dtype="bfloat16" if cuda else "float32", lora=lora,
                                  engine_args={"load_format": "dummy"})
                 t0 = time.perf_counter()
@@ -167,7 +167,7 @@ def bench_refit(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, A
                 row["refit_s_all"] = [round(t, 4) for t in times]
                 row["pack_s_median"] = statistics.median(packs[1:])
 
-            asyncio.run(scenario())
+            asyncio.run(scenario(model_dir, eng_cfg, lora, mode, tensors, row))
             del tensors
             if cuda:
                 torch.cuda.empty_cache()
@@ -233,10 +233,9 @@ def fit_one(shape: str, mode: str, tokens: int, rank: int) -> dict[str, Any]:
     import torch
 
     from agentrl.config import LoRAConfig
-    from agentrl.learners.hf_forward import packed_token_logprobs
+    from agentrl.learners.hf_forward import padded_token_logprobs
     from agentrl.lora import wrap_model
     from agentrl.optim import adamw
-    from agentrl.packing import pack_sequences
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -249,8 +248,12 @@ def fit_one(shape: str, mode: str, tokens: int, rank: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         torch.manual_seed(0)
+        torch.set_default_dtype(dtype)  # built in bf16 directly: an fp32 14B would not fit while converting
         with torch.device(device):
-            model = Qwen2ForCausalLM(cfg).to(dtype)
+            model = Qwen2ForCausalLM(cfg)
+        torch.set_default_dtype(torch.float32)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()  # the step's peak, not the construction's
         out["parameters_b"] = sum(p.numel() for p in model.parameters()) / 1e9
         if mode == "lora":
             model = wrap_model(model, LoRAConfig(rank=rank, alpha=2 * rank))
@@ -260,10 +263,11 @@ def fit_one(shape: str, mode: str, tokens: int, rank: int) -> dict[str, Any]:
         opt = adamw(params, 1e-5)
         seq = 1024
         gen = torch.Generator().manual_seed(0)
+        # Equal-length rows through SDPA (the learner's packed FlexAttention would compile for ~30 s
+        # in every process; the memory is the same: weights, grads, Adam state, activations).
         seqs = [torch.randint(2, 700, (seq,), generator=gen).tolist() for _ in range(max(1, tokens // seq))]
-        batch = pack_sequences(seqs, pad_id=0)
         for _ in range(2):  # Adam's state exists from the first step on
-            lp = packed_token_logprobs(model, batch, chunk_size=1024)
+            lp = padded_token_logprobs(model, seqs, chunk_size=1024)
             loss = -(lp * torch.randn(lp.shape, device=lp.device)).sum() / lp.numel()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -325,7 +329,12 @@ def bench_agreement(args: argparse.Namespace, shape: str) -> dict[str, Any]:
 
     cuda = torch.cuda.is_available()
     dtype = "bfloat16" if cuda else "float32"
-    model_dir = make_model(Path(args.workdir) / f"ckpt-{shape}", "1.5b" if cuda else "cpu")
+    if cuda:  # the checkpoint the e2e part trains too (bench/gpu_e2e.py's 1.5B shape)
+        from bench.gpu_e2e import make_model as make_1p5b
+
+        model_dir = make_1p5b(Path(args.workdir) / "qwen2.5-1.5b-shape")
+    else:
+        model_dir = make_model(Path(args.workdir) / "ckpt-cpu", "cpu")
     lora = LoRAConfig(rank=args.rank, alpha=2 * args.rank)
     model = wrap_model(load_hf_model(model_dir, dtype, "cuda" if cuda else "cpu"), lora, model_dir).eval()
     gen = torch.Generator().manual_seed(1)
@@ -391,7 +400,7 @@ LEARNERS = {
 }
 
 
-def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
+def bench_e2e(args: argparse.Namespace, report: dict[str, Any] | None = None, save: Any = None) -> dict[str, Any]:
     import bench.gpu_e2e as e2e
 
     cuda = _cuda()
@@ -418,7 +427,8 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
         turns=args.turns, new_tokens=args.new_tokens, group_size=args.group_size, groups_per_step=args.groups_per_step,
         concurrent_groups=args.concurrent_groups, max_num_seqs=args.max_num_seqs, engine_eager=args.engine_eager,
         engine_mem_colocated=args.engine_mem, engine_mem_split=args.engine_mem, set=[])
-    runs = {}
+    runs: dict[str, Any] = {}
+    out: dict[str, Any] = {"placement": placement, "max_staleness": args.staleness, "runs": runs}
     for name in args.learners.split(","):
         ns.set = base_set + [s.format(rank=args.rank, alpha=2 * args.rank) for s in LEARNERS[name]] + args.set
         t0 = time.perf_counter()
@@ -429,7 +439,9 @@ def bench_e2e(args: argparse.Namespace) -> dict[str, Any]:
         res["total_s"] = time.perf_counter() - t0
         runs[name] = res
         print(f"[e2e] {name}: {json.dumps(res)}", flush=True)
-    out: dict[str, Any] = {"placement": placement, "max_staleness": args.staleness, "runs": runs}
+        if report is not None and save is not None:  # a later run that overruns the call keeps this one
+            report["e2e"] = out
+            save()
     full = runs.get("torch_full", {}).get("trajectories_per_s")
     lora = runs.get("torch_lora", {}).get("trajectories_per_s")
     if full and lora:
@@ -467,8 +479,8 @@ def main() -> None:
     p.add_argument("--engine-asleep-gib", type=float, default=2.0, help="a sleeping engine's residue (context)")
     p.add_argument("--engine-kv-gib", type=float, default=4.0, help="KV cache an awake colocated engine needs")
     p.add_argument("--agreement-b-scale", type=float, default=0.01)
-    p.add_argument("--learners", default="torch_full,torch_lora")
-    p.add_argument("--e2e-seconds", type=float, default=60.0)
+    p.add_argument("--learners", default="torch_lora,torch_full", help=f"of {', '.join(LEARNERS)}")
+    p.add_argument("--e2e-seconds", type=float, default=60.0, help="timed training per learner")
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--tool-latency", type=float, default=0.5)
     p.add_argument("--obs-words", type=int, default=150)
@@ -516,7 +528,7 @@ def main() -> None:
             elif part == "agreement":
                 report["agreement"] = bench_agreement(args, "1.5b")
             else:
-                report["e2e"] = bench_e2e(args)
+                report["e2e"] = bench_e2e(args, report, save)
         except Exception as err:  # later parts still run; the error is part of the report
             import traceback
 

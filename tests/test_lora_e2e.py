@@ -117,7 +117,7 @@ def test_lora_checkpoint_resume_and_merged_export(tiny_model_dir, tmp_path):
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/loss" in r] == [1, 2, 3, 4]
     state4 = torch.load(run_dir / "checkpoints" / "step_000004" / "learner" / "learner_state.pt", weights_only=False)
-    steps = lambda s: {int(v["step"]) for v in s["optimizer"]["state"].values()}  # noqa: E731
+    steps = lambda s: {int(v["step"]) for v in s["optimizer"]["state"].values()}
     stepped = sum(r["train/optimizer_stepped"] for r in rows if "train/loss" in r)
     assert steps(state4) == {int(stepped)} and max(steps(state4)) > max(steps(state2) or {0})
 
