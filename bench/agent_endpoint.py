@@ -44,14 +44,18 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def nagle_on(endpoint, peer) -> None:
+def nagle_on(endpoint, peer) -> int:
     """Turn Nagle's algorithm back on for the endpoint's connection from ``peer`` (a client's
-    address): the endpoint as it was before TCP_NODELAY, for the "before" row."""
+    address): the endpoint as it was before TCP_NODELAY, for the "before" row. Returns how many
+    connections it changed (1)."""
     import socket
 
+    n = 0
     for conn in endpoint._server.server_state.connections:
-        if conn.transport is not None and conn.transport.get_extra_info("peername") == peer:
+        if conn.transport is not None and tuple(conn.transport.get_extra_info("peername") or ()) == tuple(peer):
             conn.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
+            n += 1
+    return n
 
 
 ROWS = ("direct", "httpx", "sdk", "sdk_new", "nagle")
@@ -66,9 +70,8 @@ LABELS = {
 
 async def round_trips(endpoint, engine, renderer, n: int) -> dict:
     """The same greedy request made ``n`` times (after 10 warm-ups) each way, interleaved. Every
-    endpoint request belongs to a new episode (its first request renders the prompt, as an
-    agent's first call does); the kept-alive clients reuse one connection across them, as an
-    agent's client does across its calls."""
+    endpoint request renders its prompt from scratch (a new segment, as an agent's first call);
+    the kept-alive clients reuse one connection, as an agent's client does across its calls."""
     import httpx
     import openai
 
@@ -92,9 +95,14 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
             cpu[row].append(c1 - c0)
         return out
 
-    async def via_endpoint(row, k, call):
+    async def via_endpoint(row, k, call, *, after_another=True):
+        """One timed request of a new episode; on a kept-alive connection, right after an untimed
+        one on the same connection (as an agent's next call follows its last): that is when a
+        response's writes can wait on the client's delayed ACK (the "before" row)."""
         ep = endpoint.open_episode(f"{row}{k}", temperature=0.0)
         try:
+            if after_another:
+                await call(ep)
             return await timed(row, k, lambda: call(ep))
         finally:
             endpoint.close_episode(ep)
@@ -113,10 +121,10 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
                 async with openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0) as c:
                     return await c.chat.completions.create(**body)
 
-            resp2 = await via_endpoint("sdk_new", k, fresh)
+            resp2 = await via_endpoint("sdk_new", k, fresh, after_another=False)
             r2 = await via_endpoint("nagle", k, lambda ep: slow.post(
                 ep.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"}, json=body))
-            nagle_on(endpoint, r2.extensions["network_stream"].get_extra_info("client_addr"))
+            assert nagle_on(endpoint, r2.extensions["network_stream"].get_extra_info("client_addr")) == 1
             outs.add((len(out.token_ids), r.json()["usage"]["completion_tokens"], resp.usage.completion_tokens,
                       resp2.usage.completion_tokens, r2.json()["usage"]["completion_tokens"]))
             if k % 10 == 9:
@@ -168,6 +176,26 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int) 
     return res
 
 
+class Instant:
+    """An engine that answers every request at once with one fixed sample."""
+
+    def __init__(self, out):
+        self.out = out
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id=None, **_):
+        return self.out
+
+
+def show(title: str, rt: dict) -> None:
+    print(f"\n{title}:")
+    print(f"  {'':68s} p50 ms   p90 ms   +p50 ms  paired +ms  CPU ms")
+    for k in ROWS:
+        print(f"  {LABELS[k]:68s} {rt[k][0]:7.2f}  {rt[k][1]:7.2f}  {rt[k][0] - rt['direct'][0]:+7.2f}  "
+              f"{rt['paired'][k]:+9.2f}  {rt['cpu'][k]:6.2f}")
+    print("  (+p50: p50 minus the direct call's p50; paired: median over requests of the difference to the direct "
+          "call made just before it; CPU: this process's CPU time per request, p50)")
+
+
 async def main(args) -> None:
     from transformers import AutoTokenizer
 
@@ -195,13 +223,19 @@ async def main(args) -> None:
     await endpoint.start()
     print(f"model {model}; {args.requests} round trips, {args.groups} groups x {cfg.rollout.group_size} per path per rep")
     rt = await round_trips(endpoint, engine, renderer, args.requests)
-    print(f"\nround trip, same greedy request ({rt['tokens']} tokens out), {args.requests} each, interleaved:")
-    print(f"  {'':68s} p50 ms   p90 ms   +p50 ms  paired +ms  CPU ms")
-    for k in ROWS:
-        print(f"  {LABELS[k]:68s} {rt[k][0]:7.2f}  {rt[k][1]:7.2f}  {rt[k][0] - rt['direct'][0]:+7.2f}  "
-              f"{rt['paired'][k]:+9.2f}  {rt['cpu'][k]:6.2f}")
-    print("  (+p50: p50 minus the direct call's p50; paired: median over requests of the difference to the direct "
-          "call made just before it)")
+    show(f"round trip, same greedy request ({rt['tokens']} tokens out), {args.requests} each, interleaved", rt)
+    # The endpoint alone: an engine that answers at once with the tokens the real one sampled.
+    from examples.calculator_agent import SYSTEM, TOOLS, tasks
+
+    ids = renderer.prompt_ids([{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": tasks(1)["question"]}], TOOLS)
+    instant = Instant(await engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0))
+    alone = AgentEndpoint(renderer, parser, instant, rollout=cfg.rollout, agent=cfg.agent,
+                          max_model_len=cfg.engine.max_model_len)
+    await alone.start()
+    rt = await round_trips(alone, instant, renderer, args.requests)
+    show("the endpoint alone: the same request, an engine that answers at once", rt)
+    await alone.stop()
     tp = await throughput(endpoint, engine, renderer, parser, cfg, args.groups)
     print("\nthroughput at equal work (Calculator, same seeds, temperature "
           f"{cfg.rollout.temperature}, 2 reps alternating):")
