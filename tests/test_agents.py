@@ -277,3 +277,18 @@ def test_calculator_agent_requests_render_to_the_env_paths_tokens(tiny_model_dir
         nxt = rec.prepare([*messages, response, tool_msg], TOOLS)
         assert not nxt.new_segment
         assert nxt.prompt_ids == env_ids + sampled + renderer.observation_delta_ids(obs2)
+
+
+def test_a_langgraph_agent_continues_its_segments_exactly(served):
+    """LangGraph (a model node and its ToolNode, ChatOpenAI from langchain-openai) through real HTTP:
+    every request is recorded exactly, and its re-sent history (LangChain re-serializes the
+    assistant's tool calls) continues the episode's segment rather than starting a new one."""
+    _, sampler, _ = served
+    group = run_group(served, agent_of({"solve": "tests.langgraph_agents:solve"}), seed=31, n=4,
+                      rollout=load_config(None, ["rollout.max_turns=12"]).rollout)
+    ok = [t for t in group.trajectories if t.status == "ok"]
+    assert ok, [t.info.get("error") for t in group.trajectories]
+    for ep in {t.info["episode"] for t in group.trajectories}:
+        check_exact_tokens([t for t in group.trajectories if t.info["episode"] == ep], sampler.calls[ep])
+    assert all(t.info["num_segments"] == 1 for t in ok)
+    assert any(t.num_turns > 1 for t in ok), "no episode called the tool and went on"
