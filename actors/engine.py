@@ -60,12 +60,21 @@ class EngineActor:
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids=None, ignore_eos: bool = False, seed: int | None = None,
-                       min_tokens: int = 0):
+                       min_tokens: int = 0, stop: list[str] | None = None):
         await self._ready()
         return await self.engine.generate(
             prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, seed=seed, min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, seed=seed, min_tokens=min_tokens, stop=stop,
         )
+
+    async def generate_stream(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
+                              seed: int | None = None, stop: list[str] | None = None):
+        """:meth:`generate` step by step (a Ray streaming generator: call it with
+        ``.options(num_returns="streaming")``); each item is one engine step's new tokens."""
+        await self._ready()
+        async for delta in self.engine.generate_stream(prompt_ids, max_tokens=max_tokens, temperature=temperature,
+                                                       top_p=top_p, seed=seed, stop=stop):
+            yield delta
 
     async def score(self, token_ids: list[int]) -> list[float]:
         await self._ready()

@@ -12,6 +12,7 @@ import asyncio
 import itertools
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -133,9 +134,39 @@ class VLLMEngine:
         seed: int | None = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        stop: list[str] | None = None,
     ) -> GenerationResult:
         """Sample a continuation of ``prompt_ids``; each token is tagged with the version in force
-        when it came out of the engine (with in-flight refit, one turn can span versions)."""
+        when it came out of the engine (with in-flight refit, one turn can span versions).
+
+        ``stop``: strings at which vLLM ends the sampling (the tokens returned end with the one
+        that completes the string; the text is the caller's to cut)."""
+        result = GenerationResult()
+        async for delta in self.generate_stream(
+                prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, min_tokens=min_tokens, stop=stop):
+            result.token_ids += delta.token_ids
+            result.logprobs += delta.logprobs
+            result.versions += delta.versions
+            result.finish_reason = delta.finish_reason
+        return result
+
+    async def generate_stream(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop: list[str] | None = None,
+    ) -> AsyncIterator[GenerationResult]:
+        """:meth:`generate` as it happens: one :class:`GenerationResult` per engine step holding
+        that step's new tokens (the last one carries the finish reason). Leaving the loop early
+        aborts the request."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -148,10 +179,13 @@ class VLLMEngine:
             seed=seed,
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
-            detokenize=False,
+            # vLLM matches stop strings in its detokenizer: text is made only when one is asked for,
+            # decoded as agentrl decodes sampled text (special tokens kept).
+            stop=list(stop) if stop else None,
+            detokenize=bool(stop),
+            skip_special_tokens=not stop,
             output_kind=RequestOutputKind.DELTA,
         )
-        result = GenerationResult()
         self.num_inflight += 1
         try:
             request_id = f"agentrl-{next(self._ids)}"
@@ -159,18 +193,15 @@ class VLLMEngine:
                                                lora_request=self.lora_request):
                 comp = out.outputs[0]
                 new = list(comp.token_ids)
-                result.token_ids.extend(new)
                 lps = comp.logprobs or []
-                for tok, lp in zip(new, lps[-len(new):] if new else []):
-                    result.logprobs.append(float(lp[tok].logprob))
-                result.versions.extend([self.version] * len(new))
-                if comp.finish_reason is not None:
-                    result.finish_reason = str(comp.finish_reason)
+                delta = GenerationResult(new, [float(lp[tok].logprob) for tok, lp in zip(new, lps[-len(new):] if new else [])],
+                                         [self.version] * len(new), str(comp.finish_reason or "stop"))
+                if len(delta.logprobs) != len(new):
+                    raise RuntimeError("vLLM returned a different number of logprobs than tokens")
+                if new or comp.finish_reason is not None:
+                    yield delta
         finally:
             self.num_inflight -= 1
-        if len(result.logprobs) != len(result.token_ids):
-            raise RuntimeError("vLLM returned a different number of logprobs than tokens")
-        return result
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of every token given its prefix under the current weights (0.0 at position 0)."""
