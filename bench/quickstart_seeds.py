@@ -54,7 +54,7 @@ def run_one(seed: int, hog: int, out: Path, work: Path, sets: list[str], timeout
     log = out / f"{tag}.log"
     try:
         with log.open("w") as fh:
-            proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(cmd, cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout, check=False)
         rc = proc.returncode
     except subprocess.TimeoutExpired:
         rc = "timeout"
@@ -78,7 +78,7 @@ def run_one(seed: int, hog: int, out: Path, work: Path, sets: list[str], timeout
 
 def _commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, check=False,
                               text=True).stdout.strip()
     except OSError:
         return "?"
