@@ -24,7 +24,7 @@ __all__ = ["EngineActor"]
 @ray.remote(concurrency_groups=DIAG_GROUPS)
 class EngineActor(AsyncDiag):
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
-                 weight_source: Any = None, enable_sleep_mode: bool = False) -> None:
+                 weight_source: Any = None, enable_sleep_mode: bool = False, lora: Any = None) -> None:
         """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
         ``latest_weights`` a (re)started engine loads before it serves."""
         import tempfile
@@ -33,7 +33,8 @@ class EngineActor(AsyncDiag):
 
         tmp = str(private_tmpdir())  # what vLLM leaves there goes when this process does
         tempfile.tempdir = os.environ["TMPDIR"] = tmp  # the env var for vLLM's engine-core process
-        self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode)
+        self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode,
+                                 lora=lora)
         self.weight_source = weight_source
         self._started = False
         self._lock: asyncio.Lock | None = None
@@ -59,7 +60,7 @@ class EngineActor(AsyncDiag):
                         # Lost with a failed refit; the driver exports again and stages those. The
                         # start weights' tokens carry version 0: the staleness bound drops them.
                         weights = None
-                    if isinstance(weights, dict):
+                    if isinstance(weights, dict):  # full weights, or the LoRA adapter's tensors
                         await self.engine.update_weights(weights, version, mode="drain")
             self._started = True
 
@@ -70,12 +71,21 @@ class EngineActor(AsyncDiag):
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
                        stop_token_ids=None, ignore_eos: bool = False, seed: int | None = None,
-                       min_tokens: int = 0):
+                       min_tokens: int = 0, stop: list[str] | None = None):
         await self._ready()
         return await self.engine.generate(
             prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, seed=seed, min_tokens=min_tokens,
+            stop_token_ids=stop_token_ids, ignore_eos=ignore_eos, seed=seed, min_tokens=min_tokens, stop=stop,
         )
+
+    async def generate_stream(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
+                              seed: int | None = None, stop: list[str] | None = None):
+        """:meth:`generate` step by step (a Ray streaming generator: call it with
+        ``.options(num_returns="streaming")``); each item is one engine step's new tokens."""
+        await self._ready()
+        async for delta in self.engine.generate_stream(prompt_ids, max_tokens=max_tokens, temperature=temperature,
+                                                       top_p=top_p, seed=seed, stop=stop):
+            yield delta
 
     async def score(self, token_ids: list[int]) -> list[float]:
         await self._ready()
@@ -83,7 +93,8 @@ class EngineActor(AsyncDiag):
 
     async def update_weights(self, weights: dict, version: int, mode: str = "continue") -> float:
         await self._ready()
-        if version <= self.engine.version:  # a restarted engine may already have caught up
+        first_adapter = self.engine.lora is not None and self.engine.lora_request is None
+        if version <= self.engine.version and not first_adapter:  # a restarted engine may have caught up
             return 0.0
         return await self.engine.update_weights(weights, version, mode)  # type: ignore[arg-type]
 

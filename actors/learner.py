@@ -41,6 +41,7 @@ class LearnerActor(SyncDiag):
 
         torch.set_num_threads(max(1, int(cfg.learner.num_cpus)))
         self.rank = int(kwargs.get("rank", 0))
+        self.lora = cfg.learner.lora.enabled  # a refit moves the adapter's tensors only
         self._refit_buf = None
         self._weight_group = None
         self._idle_since: float | None = None  # end of the last call that used the learner
@@ -67,7 +68,8 @@ class LearnerActor(SyncDiag):
     # -- GPU refit (agentrl/refit.py) -------------------------------------------------------------
     @_busy
     def export_for_refit(self, transport: str):
-        """Weights for one refit: a dict of CPU tensors (object_store), or, on rank 0, a
+        """Weights for one refit (with learner.lora: the adapter's tensors only): a dict of CPU
+        tensors (object_store), or, on rank 0, a
         RefitPayload whose flat GPU buffer this actor keeps until :meth:`release_refit`
         (cuda_ipc: the engines open its handle; nccl: :meth:`broadcast_weights` sends it).
         Collective under Megatron: every rank calls it; other ranks return None."""
@@ -75,9 +77,10 @@ class LearnerActor(SyncDiag):
 
         from agentrl.refit import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
 
+        export = self.learner.export_adapter if self.lora else self.learner.export_weights
         if transport == "object_store":
-            return self.learner.export_weights()
-        weights = self.learner.export_weights(device="cuda" if torch.cuda.is_available() else "cpu")
+            return export()
+        weights = export(device="cuda" if torch.cuda.is_available() else "cpu")
         if self.rank != 0:
             return None
         self._refit_buf, spec = flatten_weights(weights)

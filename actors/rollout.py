@@ -38,14 +38,32 @@ class Router:
     def end_episode(self, episode_id: str) -> None:
         self.sticky.pop(episode_id, None)
 
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, seed=None, min_tokens=0):
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, seed=None, min_tokens=0,
+                       stop=None):
         i = self.pick(episode_id)
         self.load[i] += 1
         try:
             return await self.engines[i].generate.remote(prompt_ids, max_tokens, temperature, top_p, seed=seed,
-                                                         min_tokens=min_tokens)
+                                                         min_tokens=min_tokens, stop=stop)
         finally:
             self.load[i] -= 1
+
+    async def stream(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, seed=None, stop=None):
+        """:meth:`generate` as the engine produces it: one item per engine step (Ray's streaming
+        generator from the engine actor). Leaving early cancels the engine's request."""
+        i = self.pick(episode_id)
+        self.load[i] += 1
+        gen = self.engines[i].generate_stream.options(num_returns="streaming").remote(
+            prompt_ids, max_tokens, temperature, top_p, seed=seed, stop=stop)
+        done = False
+        try:
+            async for ref in gen:
+                yield await ref
+            done = True
+        finally:
+            self.load[i] -= 1
+            if not done:
+                ray.cancel(gen)
 
 
 @ray.remote(concurrency_groups=DIAG_GROUPS)

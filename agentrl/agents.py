@@ -19,7 +19,7 @@ import inspect
 import json
 import math
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -102,10 +102,30 @@ class Agent:
     tasks: TaskSource
     eval_tasks: TaskSource
     cfg: AgentConfig
+    # HTTP clients shared by the episodes' openai clients (one per event loop, one for threads):
+    # building an openai client with its own connection pool costs ~36 ms of CPU (an SSL context),
+    # with a shared one ~0.15 ms; kept-alive connections are reused across episodes too.
+    http_clients: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def is_async(self) -> bool:
         return inspect.iscoroutinefunction(self.solve)
+
+    def http_client(self) -> Any:
+        """The HTTP client this context's episodes share (the running loop's, else the threads')."""
+        import asyncio
+
+        import openai
+
+        try:
+            key: Any = asyncio.get_running_loop()
+        except RuntimeError:
+            key = "threads"
+        client = self.http_clients.get(key)
+        if client is None or client.is_closed:
+            client = openai.DefaultHttpxClient() if key == "threads" else openai.DefaultAsyncHttpxClient()
+            self.http_clients[key] = client
+        return client
 
 
 def load_agent(cfg: AgentConfig) -> Agent:
@@ -136,18 +156,15 @@ async def _call_agent(agent: Agent, ep: Any, task: Any) -> float:
     import openai
 
     kwargs = dict(base_url=ep.base_url, api_key=ep.api_key, max_retries=0, timeout=agent.cfg.request_timeout_s)
+    # The episode's client is not closed: that would close the shared HTTP client under it.
     if agent.is_async:
-        client = openai.AsyncOpenAI(**kwargs)
-        try:
-            result = await agent.solve(client, task)
-        finally:
-            await client.close()
+        client = openai.AsyncOpenAI(**kwargs, http_client=agent.http_client())
+        result = await agent.solve(client, task)
     else:
-        sync_client = openai.OpenAI(**kwargs)
-        try:
-            result = await anyio.to_thread.run_sync(lambda: agent.solve(sync_client, task), abandon_on_cancel=True)
-        finally:
-            sync_client.close()
+        def run() -> Any:
+            return agent.solve(openai.OpenAI(**kwargs, http_client=agent.http_client()), task)
+
+        result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
     if agent.score is not None:
         score = agent.score
         result = await score(task, result) if inspect.iscoroutinefunction(score) else \

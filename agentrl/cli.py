@@ -1,4 +1,4 @@
-"""`agentrl train | sft | eval | bootstrap-tiny | plot`.
+"""`agentrl train | sft | eval | export | bootstrap-tiny | plot`.
 
 The config is parsed before heavy libraries are imported, so `--help` and `--print-config` are
 instant and config mistakes are reported before any actor starts.
@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-turns", type=int, default=4)
     p.add_argument("--tool-parser", default="auto",
                    help="vLLM tool parser of the model's calls (default auto: the checkpoint's family)")
+
+    p = sub.add_parser("export", help="write a run's trained policy as one Hugging Face model (LoRA: merged)")
+    p.add_argument("run_dir", help="run directory of a learner.lora run (its config.json names the checkpoints)")
+    p.add_argument("--merge-lora", required=True, metavar="OUT", help="directory of the merged model")
+    p.add_argument("--checkpoint", default=None, help="checkpoint name, e.g. step_000050 (default: the latest)")
+    p.add_argument("--base", default=None, help="base model directory (default: the one the adapter records)")
 
     p = sub.add_parser("bootstrap-tiny", help="write a tiny random model of a family, with tokenizer and chat template")
     p.add_argument("dir")
@@ -108,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             )
             for key, value in metrics.items():
                 print(f"{key:28s} {value:.4f}")
+        elif args.command == "export":
+            from agentrl.lora import merge_run
+
+            print(merge_run(args.run_dir, args.merge_lora, checkpoint=args.checkpoint, base=args.base))
         elif args.command == "bootstrap-tiny":
             from agentrl.tiny import bootstrap_tiny
 

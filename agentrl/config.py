@@ -31,6 +31,7 @@ __all__ = [
     "ImportanceSamplingConfig",
     "KLConfig",
     "LearnerConfig",
+    "LoRAConfig",
     "LossConfig",
     "MetricsConfig",
     "MegatronConfig",
@@ -470,6 +471,41 @@ def resolve_fast_options(mcfg: MegatronConfig) -> dict[str, bool]:
     }
 
 
+class LoRAConfig(Section):
+    rank: int = Field(0, ge=0, le=512)
+    """LoRA rank r; 0 (the default) trains every weight (full fine-tuning). With r > 0 the torch
+    learner trains PEFT adapters on ``target_modules`` over a frozen base, and each refit moves
+    only the adapter's tensors into engines started with LoRA enabled (docs/guides/lora.md)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the update is ``alpha / rank * B @ A``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input. The learner runs every pass in eval mode (the engine that
+    sampled the tokens has no dropout, so the IS ratios compare the same policy): a value > 0 has no
+    effect and is warned about."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Names of the linear layers that get adapters (PEFT's ``target_modules``; vLLM serves these
+    for Llama/Qwen/Mistral-style decoders). The LM head and the embeddings cannot be adapted."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAConfig:
+        if not self.target_modules:
+            raise ValueError("learner.lora.target_modules must name at least one linear layer (e.g. q_proj)")
+        bad = [m for m in self.target_modules if m in ("lm_head", "embed_tokens", "wte", "output")]
+        if bad:
+            raise ValueError(f"learner.lora.target_modules: {', '.join(bad)} cannot be adapted (the learner's "
+                             "chunked logprobs read the LM head's weight; vLLM adapts linear layers only); "
+                             "keep the decoder's linear layers, e.g. q_proj, v_proj")
+        if self.enabled and self.dropout > 0:
+            warnings.warn(f"learner.lora.dropout={self.dropout} has no effect: the learner runs in eval mode, "
+                          "like the engine that sampled the tokens", stacklevel=2)
+        return self
+
+
 class LearnerConfig(Section):
     backend: Literal["torch", "megatron"] = "torch"
     """torch: Hugging Face model + AdamW (CPU, small GPUs); megatron: Megatron-Core (GPUs)."""
@@ -488,6 +524,8 @@ class LearnerConfig(Section):
     resources: dict[str, float] = Field(default_factory=dict)
     """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (torch learner only); off while ``rank`` is 0."""
 
 
 class RefitConfig(Section):
@@ -738,6 +776,9 @@ class Config(Section):
             # took 15 GiB and left the learner (split) or the engine's wake (sleep) out of memory
             # (bench/RESULTS.md, GPU loop).
             object.__setattr__(mc, "cuda_graphs", False)
+        if self.learner.backend == "megatron" and self.learner.lora.enabled:
+            raise ValueError("learner.lora needs learner.backend=torch: the Megatron-Core learner has no LoRA "
+                             "(set learner.backend=torch, or learner.lora.rank=0 for full fine-tuning)")
         if self.learner.backend == "megatron":
             world = max(self.learner.num_gpus, 1)
             model_parallel = mc.tensor_parallel_size * mc.pipeline_parallel_size * mc.context_parallel_size

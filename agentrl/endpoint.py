@@ -23,12 +23,13 @@ import logging
 import secrets
 import socket
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.chat import ChatRenderer
@@ -158,6 +159,18 @@ class EndpointEpisode:
     num_sampled: int = 0  # tokens sampled for this episode (rollout.max_episode_tokens)
 
 
+@dataclass
+class _Turn:
+    """A checked request, ready for the engine."""
+
+    prep: Any  # recorder.Prepared
+    room: int  # tokens left in the episode's budget
+    left: int | None  # tokens left in its sampled-token budget (rollout.max_episode_tokens)
+    stops: list[str]
+    kwargs: dict[str, Any]  # engine.generate's keyword arguments
+    tools: bool  # tool calls are parsed from the reply
+
+
 class _QuietServer(uvicorn.Server):
     """uvicorn without its signal handlers: the process hosting the endpoint (a Ray worker) keeps
     its own handling of SIGINT and SIGTERM."""
@@ -194,6 +207,8 @@ class AgentEndpoint:
         self.limit = min(rollout.max_total_tokens, max_model_len or rollout.max_total_tokens)
         self.episodes: dict[str, EndpointEpisode] = {}
         self.num_refused = 0  # requests refused before reaching an episode (bad key, ended episode)
+        self.num_requests = 0  # completions served (plain and streamed)
+        self.num_streamed = 0  # of which streamed
         self.base_url = ""
         self._server: Any = None
         self._task: asyncio.Task | None = None
@@ -204,8 +219,14 @@ class AgentEndpoint:
         """Serve on ``agent.host`` at a free port in the running event loop; returns the base URL."""
         if self._task is not None:
             return self.base_url
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections
+        # accepted from a socket that says it is TCP. With proto 0, a response's header and body
+        # writes wait on the client's delayed ACK: +40 ms on every request of a kept-alive
+        # connection after its first (bench/agent_endpoint.py). Set on the listening socket too,
+        # which accepted sockets inherit.
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.bind((self.agent.host, self.agent.port))
         port = sock.getsockname()[1]
         config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
@@ -275,11 +296,9 @@ class AgentEndpoint:
         async def chat(request: Request, slot: str | None = None) -> Any:
             ep = self._episode(request, slot)
             req = await self._parse(request)
-            result = await self._complete(ep, req)
             if req.stream:
-                include_usage = bool((req.stream_options or {}).get("include_usage"))
-                return StreamingResponse(iter(self._stream(result, include_usage)), media_type="text/event-stream")
-            return result
+                return await self._stream(ep, req)
+            return Response(json.dumps(await self._complete(ep, req)).encode(), media_type="application/json")
 
         return app
 
@@ -325,116 +344,215 @@ class AgentEndpoint:
                            f"'{self.agent.model_name}' (agent.model_name)", param="model", code="model_not_found")
         return req
 
+    def _begin(self, ep: EndpointEpisode, req: ChatCompletionRequest) -> _Turn:
+        """Check and render a request of ``ep`` (whose lock the caller holds): the prompt, the token
+        budget and the sampling arguments. Raises :class:`ApiError`; writes nothing."""
+        if ep.closed:
+            raise ApiError(401, "the episode has ended", type="authentication_error", code="invalid_api_key")
+        ep.num_requests += 1
+        rec = ep.recorder
+        if rec.num_completions >= self.rollout.max_turns:
+            ep.truncated_by = ep.truncated_by or "turns"
+            raise ApiError(400, f"this episode already made {rec.num_completions} completions "
+                           f"(rollout.max_turns = {self.rollout.max_turns})", code="turn_limit_exceeded")
+        calls = self.rollout.max_model_calls
+        if calls is not None and rec.num_completions >= calls:
+            ep.truncated_by = ep.truncated_by or "model_calls"
+            raise ApiError(400, f"this episode already made {rec.num_completions} model calls "
+                           f"(rollout.max_model_calls = {calls})", code="model_call_budget_exceeded")
+        left = None if self.rollout.max_episode_tokens is None else self.rollout.max_episode_tokens - ep.num_sampled
+        if left is not None and left <= 0:
+            ep.truncated_by = ep.truncated_by or "sampled_tokens"
+            raise ApiError(400, f"this episode already sampled {ep.num_sampled} tokens "
+                           f"(rollout.max_episode_tokens = {self.rollout.max_episode_tokens})",
+                           code="token_budget_exceeded")
+        try:
+            prep = rec.prepare(req.messages, req.tools)
+        except MessageError as exc:
+            raise ApiError(400, str(exc), param=exc.param) from None
+        room = self.limit - len(prep.prompt_ids)
+        if room <= 0:
+            ep.truncated_by = "tokens"
+            raise ApiError(400, f"the prompt is {len(prep.prompt_ids)} tokens; this episode's limit is "
+                           f"{self.limit} (rollout.max_total_tokens, engine.max_model_len)", param="messages",
+                           code="context_length_exceeded")
+        asked = min(x for x in (req.max_completion_tokens, req.max_tokens, self.rollout.max_new_tokens) if x)
+        temperature = ep.temperature
+        if self.agent.temperature == "request" and req.temperature is not None:
+            temperature = req.temperature
+        stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        budget = min(asked, room) if left is None else min(asked, room, left)
+        kwargs: dict[str, Any] = {"max_tokens": budget, "temperature": temperature,
+                                  "top_p": self.rollout.top_p, "episode_id": ep.episode_id}
+        if stops:  # the engine stops sampling at them (engine clients without stop strings are not passed any)
+            kwargs["stop"] = stops
+        return _Turn(prep, room, left, stops, kwargs, req.tools is not None and req.tool_choice != "none" and bool(req.tools))
+
+    def _engine_failed(self, ep: EndpointEpisode, exc: Exception) -> ApiError:
+        ep.error = f"engine error: {type(exc).__name__}: {str(exc)[:200]}"  # the episode is not trained on
+        return ApiError(500, "the engine failed on this request; the episode is dropped", type="server_error",
+                        code="engine_error")
+
+    def _finish(self, ep: EndpointEpisode, turn: _Turn, tokens: list[int], logprobs: list[float],
+                versions: list[int]) -> dict[str, Any]:
+        """Record what the engine sampled for ``turn`` and build the chat.completion response."""
+        if ep.closed:  # the agent was cancelled (timeout) while the engine sampled
+            raise ApiError(401, "the episode has ended", type="authentication_error", code="invalid_api_key")
+        budget = turn.kwargs["max_tokens"]
+        cut = cut_at_stop(self.renderer.decode, tokens, turn.stops)
+        closed = bool(tokens) and tokens[-1] in self.renderer.stop_token_ids
+        if cut is not None:
+            n, text = cut
+            tokens, logprobs, versions = tokens[:n], logprobs[:n], versions[:n]
+            closed = bool(tokens) and tokens[-1] in self.renderer.stop_token_ids
+            finish = "stop"
+        else:
+            text = self.renderer.decode(tokens)
+            finish = "stop" if closed else "length"
+            if not closed and len(tokens) >= budget and budget == turn.room:
+                ep.truncated_by = "tokens"  # cut by the episode's token limit, not by max_tokens
+            elif not closed and len(tokens) >= budget and budget == turn.left:
+                ep.truncated_by = "sampled_tokens"  # cut by the episode's sampled-token budget
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if turn.tools and cut is None:
+            parsed = self.tool_parser.parse(text)
+            if parsed.calls and not parsed.errors:
+                message["content"] = parsed.content or None
+                message["tool_calls"] = [
+                    {"id": f"call_{secrets.token_hex(8)}", "type": "function",
+                     "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
+                finish = "tool_calls" if closed else finish
+                ep.num_tool_calls += len(parsed.calls)
+        ep.recorder.record(turn.prep, tokens, logprobs, versions, message, closed=closed)
+        return {
+            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": self.agent.model_name,
+            "choices": [{"index": 0, "message": {**message, "refusal": None}, "logprobs": None,
+                         "finish_reason": finish}],
+            "usage": {"prompt_tokens": len(turn.prep.prompt_ids), "completion_tokens": len(tokens),
+                      "total_tokens": len(turn.prep.prompt_ids) + len(tokens)},
+        }
+
     async def _complete(self, ep: EndpointEpisode, req: ChatCompletionRequest) -> dict[str, Any]:
         async with ep.lock:  # one request of an episode at a time: each extends the last
-            if ep.closed:
-                raise ApiError(401, "the episode has ended", type="authentication_error", code="invalid_api_key")
-            ep.num_requests += 1
-            rec = ep.recorder
-            if rec.num_completions >= self.rollout.max_turns:
-                ep.truncated_by = ep.truncated_by or "turns"
-                raise ApiError(400, f"this episode already made {rec.num_completions} completions "
-                               f"(rollout.max_turns = {self.rollout.max_turns})", code="turn_limit_exceeded")
-            calls = self.rollout.max_model_calls
-            if calls is not None and rec.num_completions >= calls:
-                ep.truncated_by = ep.truncated_by or "model_calls"
-                raise ApiError(400, f"this episode already made {rec.num_completions} model calls "
-                               f"(rollout.max_model_calls = {calls})", code="model_call_budget_exceeded")
-            left = None if self.rollout.max_episode_tokens is None else self.rollout.max_episode_tokens - ep.num_sampled
-            if left is not None and left <= 0:
-                ep.truncated_by = ep.truncated_by or "sampled_tokens"
-                raise ApiError(400, f"this episode already sampled {ep.num_sampled} tokens "
-                               f"(rollout.max_episode_tokens = {self.rollout.max_episode_tokens})",
-                               code="token_budget_exceeded")
+            turn = self._begin(ep, req)
             try:
-                prep = rec.prepare(req.messages, req.tools)
-            except MessageError as exc:
-                raise ApiError(400, str(exc), param=exc.param) from None
-            room = self.limit - len(prep.prompt_ids)
-            if room <= 0:
-                ep.truncated_by = "tokens"
-                raise ApiError(400, f"the prompt is {len(prep.prompt_ids)} tokens; this episode's limit is "
-                               f"{self.limit} (rollout.max_total_tokens, engine.max_model_len)", param="messages",
-                               code="context_length_exceeded")
-            asked = min(x for x in (req.max_completion_tokens, req.max_tokens, self.rollout.max_new_tokens) if x)
-            budget = min(asked, room, left if left is not None else room)
-            temperature = ep.temperature
-            if self.agent.temperature == "request" and req.temperature is not None:
-                temperature = req.temperature
-            try:
-                out = await self.engine.generate(prep.prompt_ids, max_tokens=budget, temperature=temperature,
-                                                 top_p=self.rollout.top_p, episode_id=ep.episode_id)
-            except Exception as exc:  # the engine died or refused: the episode is not trained on
-                ep.error = f"engine error: {type(exc).__name__}: {str(exc)[:200]}"
-                raise ApiError(500, "the engine failed on this request; the episode is dropped",
-                               type="server_error", code="engine_error") from None
-            if ep.closed:  # the agent was cancelled (timeout) while the engine sampled
-                raise ApiError(401, "the episode has ended", type="authentication_error", code="invalid_api_key")
-            tokens, logprobs, versions = list(out.token_ids), list(out.logprobs), list(out.versions)
-            ep.num_sampled += len(tokens)
-            stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-            cut = cut_at_stop(self.renderer.decode, tokens, stops)
-            closed = bool(tokens) and tokens[-1] in self.renderer.stop_token_ids
-            if cut is not None:
-                n, text = cut
-                tokens, logprobs, versions = tokens[:n], logprobs[:n], versions[:n]
-                closed = bool(tokens) and tokens[-1] in self.renderer.stop_token_ids
-                finish = "stop"
-            else:
-                text = self.renderer.decode(tokens)
-                finish = "stop" if closed else "length"
-                if not closed and len(tokens) >= budget and budget == room:
-                    ep.truncated_by = "tokens"  # cut by the episode's token limit, not by max_tokens
-                elif not closed and len(tokens) >= budget and left is not None and budget == left:
-                    ep.truncated_by = "sampled_tokens"  # cut by the episode's sampled-token budget
-            message: dict[str, Any] = {"role": "assistant", "content": text}
-            if req.tools and req.tool_choice != "none" and cut is None:
-                parsed = self.tool_parser.parse(text)
-                if parsed.calls and not parsed.errors:
-                    message["content"] = parsed.content or None
-                    message["tool_calls"] = [
-                        {"id": f"call_{secrets.token_hex(8)}", "type": "function",
-                         "function": {"name": c.name, "arguments": json.dumps(c.arguments)}} for c in parsed.calls]
-                    finish = "tool_calls" if closed else finish
-                    ep.num_tool_calls += len(parsed.calls)
-            rec.record(prep, tokens, logprobs, versions, message, closed=closed)
-            return {
-                "id": f"chatcmpl-{secrets.token_hex(12)}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": self.agent.model_name,
-                "choices": [{"index": 0, "message": {**message, "refusal": None}, "logprobs": None,
-                             "finish_reason": finish}],
-                "usage": {"prompt_tokens": len(prep.prompt_ids), "completion_tokens": len(tokens),
-                          "total_tokens": len(prep.prompt_ids) + len(tokens)},
-            }
+                out = await self.engine.generate(turn.prep.prompt_ids, **turn.kwargs)
+            except Exception as exc:  # noqa: BLE001 (the engine died or refused)
+                raise self._engine_failed(ep, exc) from None
+            ep.num_sampled += len(out.token_ids)
+            self.num_requests += 1
+            return self._finish(ep, turn, list(out.token_ids), list(out.logprobs), list(out.versions))
 
-    @staticmethod
-    def _stream(result: dict[str, Any], include_usage: bool) -> list[str]:
-        """The completion as chat.completion.chunk events (the whole turn is sampled before the
-        first event: the engine returns a turn at once)."""
-        base = {"id": result["id"], "object": "chat.completion.chunk", "created": result["created"],
-                "model": result["model"]}
-        choice = result["choices"][0]
-        msg = choice["message"]
+    async def _stream(self, ep: EndpointEpisode, req: ChatCompletionRequest) -> StreamingResponse:
+        """``stream=true``: checks answer with a status code as for a plain request; then the turn
+        runs in a task of its own (holding the episode's lock) that sends text as the engine
+        samples it, when the engine client streams (``engine.stream``), else the whole turn at
+        once. Text that may still turn out to be a tool call or a stop string is held back
+        until it is known; tool calls go out whole at the end (parsed as a plain request's).
+        A client that goes away mid-turn cancels it: the engine's request is aborted and nothing
+        is recorded."""
+        include_usage = bool((req.stream_options or {}).get("include_usage"))
+        await ep.lock.acquire()
+        try:
+            turn = self._begin(ep, req)
+        except BaseException:
+            ep.lock.release()
+            raise
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
+        base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
+                "created": int(time.time()), "model": self.agent.model_name}
 
         def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
             return _sse({**base, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
                          **({"usage": None} if include_usage else {})})
 
-        events = [chunk({"role": "assistant", "content": ""})]
-        if msg.get("content"):
-            events.append(chunk({"content": msg["content"]}))
-        for i, call in enumerate(msg.get("tool_calls") or []):
-            events.append(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function",
-                                                 "function": {"name": call["function"]["name"], "arguments": ""}}]}))
-            events.append(chunk({"tool_calls": [{"index": i, "function": {"arguments": call["function"]["arguments"]}}]}))
-        events.append(chunk({}, choice["finish_reason"]))
-        if include_usage:
-            events.append(_sse({**base, "choices": [], "usage": result["usage"]}))
-        events.append("data: [DONE]\n\n")
-        return events
+        async def run() -> None:
+            sent = ""  # content already sent
+            try:
+                queue.put_nowait(chunk({"role": "assistant", "content": ""}))
+                tokens: list[int] = []
+                logprobs: list[float] = []
+                versions: list[int] = []
+                try:
+                    if hasattr(self.engine, "stream"):
+                        async for delta in self.engine.stream(turn.prep.prompt_ids, **turn.kwargs):
+                            tokens += delta.token_ids
+                            ep.num_sampled += len(delta.token_ids)  # counted even if the client goes away
+                            logprobs += delta.logprobs
+                            versions += delta.versions
+                            safe = self._safe_text(self.renderer.decode(tokens), turn)
+                            if len(safe) > len(sent):
+                                queue.put_nowait(chunk({"content": safe[len(sent):]}))
+                                sent = safe
+                    else:
+                        out = await self.engine.generate(turn.prep.prompt_ids, **turn.kwargs)
+                        tokens, logprobs, versions = list(out.token_ids), list(out.logprobs), list(out.versions)
+                        ep.num_sampled += len(tokens)
+                except Exception as exc:  # noqa: BLE001 (the engine died or refused)
+                    raise self._engine_failed(ep, exc) from None
+                self.num_requests += 1
+                self.num_streamed += 1
+                result = self._finish(ep, turn, tokens, logprobs, versions)
+                choice = result["choices"][0]
+                msg = choice["message"]
+                content = msg.get("content") or ""
+                if content.startswith(sent) and len(content) > len(sent):
+                    queue.put_nowait(chunk({"content": content[len(sent):]}))
+                for i, call in enumerate(msg.get("tool_calls") or []):
+                    queue.put_nowait(chunk({"tool_calls": [{"index": i, "id": call["id"], "type": "function", "function": {
+                        "name": call["function"]["name"], "arguments": ""}}]}))
+                    queue.put_nowait(chunk({"tool_calls": [{"index": i, "function": {
+                        "arguments": call["function"]["arguments"]}}]}))
+                queue.put_nowait(chunk({}, choice["finish_reason"]))
+                if include_usage:
+                    queue.put_nowait(_sse({**base, "choices": [], "usage": result["usage"]}))
+                queue.put_nowait("data: [DONE]\n\n")
+            except ApiError as err:  # the status line is gone: OpenAI sends the error as an event
+                queue.put_nowait(_sse(err.body()))
+            finally:
+                ep.lock.release()
+                queue.put_nowait(None)
+
+        task = asyncio.get_running_loop().create_task(run())
+
+        async def events() -> AsyncIterator[str]:
+            try:
+                while (item := await queue.get()) is not None:
+                    yield item
+            finally:
+                if not task.done():
+                    task.cancel()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def _safe_text(self, text: str, turn: _Turn) -> str:
+        """The part of a turn's text so far that will be sent as content whatever comes next: not
+        a partial character, nothing from a tool-call marker on (or any text, for parsers
+        without a marker), no suffix that may begin a stop string or a marker, and no trailing
+        whitespace (a call's content is stripped)."""
+        text = text.rstrip("\ufffd")
+        if turn.tools:
+            marker = self.tool_parser.marker
+            if marker is None:
+                return ""
+            at = text.find(marker)
+            if at >= 0:
+                text = text[:at]
+        for s in turn.stops + ([self.tool_parser.marker] if turn.tools and self.tool_parser.marker else []):
+            at = text.find(s)
+            if at >= 0:
+                text = text[:at]
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    text = text[:-k]
+                    break
+        return text.rstrip() if turn.tools else text
 
     def stats(self) -> dict[str, float]:
-        return {"rollout/endpoint_refused": float(self.num_refused)}
+        return {"rollout/endpoint_refused": float(self.num_refused),
+                "rollout/endpoint_requests": float(self.num_requests),
+                "rollout/endpoint_streamed": float(self.num_streamed)}
 

@@ -151,7 +151,7 @@ class Trainer:
                            for i in range(cfg.engine.num_engines)]
         self.engines = [
             EngineActor.options(**engine_opts[i], max_restarts=-1, max_task_retries=0).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
-                     enable_sleep_mode=self.sleeping_engines)
+                     enable_sleep_mode=self.sleeping_engines, lora=cfg.learner.lora if cfg.learner.lora.enabled else None)
             for i in range(cfg.engine.num_engines)
         ]
         if co.enabled:
@@ -175,6 +175,10 @@ class Trainer:
             self._init_weight_group()
         if self.resume:
             self._restore()
+        elif cfg.learner.lora.enabled:
+            # Every request runs on the policy's adapter from the start (a fresh one equals the base):
+            # an in-flight request never switches from the base to an adapter at a later refit.
+            self.refit()
         self.rollout_generation = [0] * cfg.rollout.num_actors
         self.rollouts = [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
         ray.get([r.node_id.remote() for r in self.rollouts])  # constructed (tokenizer, env checked)
@@ -482,6 +486,20 @@ class Trainer:
         self._on_engines("engine_wake", "wake_up")
         return time.perf_counter() - t0
 
+    def _wake_failure(self, exc: Exception, mem: dict[str, float]) -> Exception:
+        """A colocated engine that cannot wake for lack of GPU memory: say what holds it and what to change."""
+        if "out of memory" not in str(exc).lower():
+            return exc
+        share = self.cfg.engine.gpu_memory_utilization
+        held = mem.get("reserved_gib")
+        return RuntimeError(
+            f"a sleeping engine could not wake: out of GPU memory. It asks for engine.gpu_memory_utilization={share} "
+            f"of the GPU while the learner still holds {'?' if held is None else f'{held:.1f}'} GiB (its weights, "
+            "optimizer state and refit buffer stay resident while the engine sleeps). Lower "
+            "engine.gpu_memory_utilization to what the KV cache needs, or shrink the learner "
+            "(learner.megatron.activation_checkpointing=true, a smaller packing.max_tokens_per_microbatch)."
+        )
+
     def evaluate(self, label: str) -> dict[str, float]:
         ev = self.cfg.eval
         metrics = self._get("eval", self.rollouts[0].evaluate.remote(ev.num_episodes, ev.seed_offset, ev.temperature),
@@ -617,7 +635,9 @@ class Trainer:
                     waiting_s = metrics.get("timing/learner_idle", 0.0)
                 else:
                     pending = None
-                    sleep_s = self._sleep_engines(level=2 if refit_due else 1) if self.sleeping_engines else 0.0
+                    # Level 2 drops the weights, which a full refit replaces; with LoRA the base stays (level 1).
+                    level = 2 if refit_due and not cfg.learner.lora.enabled else 1
+                    sleep_s = self._sleep_engines(level=level) if self.sleeping_engines else 0.0
                     t1b = time.perf_counter()
                     metrics = self._learner_step(self.learner.train_step.remote(groups), groups)
                     t2 = time.perf_counter()
@@ -629,10 +649,10 @@ class Trainer:
                         mem = self._get("engine_wake", self.learner.free_memory.remote(), "the learner's free_memory",
                                         recover=False)
                         metrics.update({f"memory/learner_{k}": v for k, v in mem.items()})
-                        if refit_due:
-                            self._last_refit_s = self.refit()
-                        else:
-                            self._last_refit_s = self._wake_engines()
+                        try:
+                            self._last_refit_s = self.refit() if refit_due else self._wake_engines()
+                        except Exception as exc:
+                            raise self._wake_failure(exc, mem) from exc
                         metrics["timing/engine_sleep"] = sleep_s
                     else:
                         refit_wait_s = self._start_refit() if refit_due else 0.0

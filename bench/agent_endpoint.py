@@ -10,6 +10,10 @@
 
     python bench/agent_endpoint.py [--model .cache/quickstart-sft] [--requests 200] [--groups 12]
 
+The "before" row turns Nagle's algorithm back on for the endpoint's connections, as they were
+until the endpoint's listening socket was made with proto=IPPROTO_TCP (asyncio sets TCP_NODELAY
+only on such sockets' connections): the same endpoint, the fix off, in the same run.
+
 The model defaults to the quickstart's SFT model when it exists (episodes then call the tool),
 else a tiny random model is made.
 """
@@ -40,7 +44,34 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
+def nagle_on(endpoint, peer) -> int:
+    """Turn Nagle's algorithm back on for the endpoint's connection from ``peer`` (a client's
+    address): the endpoint as it was before TCP_NODELAY, for the "before" row. Returns how many
+    connections it changed (1)."""
+    import socket
+
+    n = 0
+    for conn in endpoint._server.server_state.connections:
+        if conn.transport is not None and tuple(conn.transport.get_extra_info("peername") or ()) == tuple(peer):
+            conn.transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 0)
+            n += 1
+    return n
+
+
+ROWS = ("direct", "httpx", "sdk", "sdk_new", "nagle")
+LABELS = {
+    "direct": "direct engine call (token ids in and out)",
+    "httpx": "endpoint, raw httpx, kept-alive connection",
+    "sdk": "endpoint, openai SDK (AsyncOpenAI), kept-alive connection",
+    "sdk_new": "endpoint, openai SDK, a new client (connection) per request",
+    "nagle": "before: endpoint, raw httpx, kept-alive, Nagle on (no TCP_NODELAY)",
+}
+
+
 async def round_trips(endpoint, engine, renderer, n: int) -> dict:
+    """The same greedy request made ``n`` times (after 10 warm-ups) each way, interleaved. Every
+    endpoint request renders its prompt from scratch (a new segment, as an agent's first call);
+    the kept-alive clients reuse one connection, as an agent's client does across its calls."""
     import httpx
     import openai
 
@@ -48,47 +79,62 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
 
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": tasks(1)["question"]}]
     ids = renderer.prompt_ids(messages, TOOLS)
-    times: dict[str, list[float]] = {"direct": [], "sdk": [], "httpx": []}
+    body = {"model": "agentrl-policy", "messages": messages, "tools": TOOLS, "max_tokens": 16}
+    times: dict[str, list[float]] = {k: [] for k in ROWS}
     # CPU seconds of this process (client, endpoint and vLLM's front end; the engine core is a
     # process of its own) per request: the endpoint's own cost, robust to a loaded machine.
-    cpu: dict[str, list[float]] = {"direct": [], "sdk": [], "httpx": []}
-    clock = time.process_time
+    cpu: dict[str, list[float]] = {k: [] for k in ROWS}
     outs = set()
-    async with httpx.AsyncClient(timeout=300) as hx:
-        for k in range(n + 10):
-            ep = endpoint.open_episode(f"rt{k}", temperature=0.0)
-            c0, t0 = clock(), time.perf_counter()
-            out = await engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0)
-            c1, t1 = clock(), time.perf_counter()
-            client = openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0,
-                                        http_client=openai.DefaultAsyncHttpxClient())
-            c2, t2 = clock(), time.perf_counter()
-            resp = await client.chat.completions.create(model="agentrl-policy", messages=messages, tools=TOOLS,
-                                                        max_tokens=16)
-            c3, t3 = clock(), time.perf_counter()
+
+    async def timed(row, k, fn):
+        c0, t0 = time.process_time(), time.perf_counter()
+        out = await fn()
+        c1, t1 = time.process_time(), time.perf_counter()
+        if k >= 10:  # warm-up
+            times[row].append(t1 - t0)
+            cpu[row].append(c1 - c0)
+        return out
+
+    async def via_endpoint(row, k, call, *, after_another=True):
+        """One timed request of a new episode; on a kept-alive connection, right after an untimed
+        one on the same connection (as an agent's next call follows its last): that is when a
+        response's writes can wait on the client's delayed ACK (the "before" row)."""
+        ep = endpoint.open_episode(f"{row}{k}", temperature=0.0)
+        try:
+            if after_another:
+                await call(ep)
+            return await timed(row, k, lambda: call(ep))
+        finally:
             endpoint.close_episode(ep)
-            ep2 = endpoint.open_episode(f"rh{k}", temperature=0.0)
-            c4, t4 = clock(), time.perf_counter()
-            r = await hx.post(ep2.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep2.api_key}"},
-                              json={"model": "agentrl-policy", "messages": messages, "tools": TOOLS, "max_tokens": 16})
-            c5, t5 = clock(), time.perf_counter()
-            endpoint.close_episode(ep2)
-            await client.close()
+
+    sdk = openai.AsyncOpenAI(base_url="http://unused/v1", api_key="unused", max_retries=0)
+    async with httpx.AsyncClient(timeout=300) as hx, httpx.AsyncClient(timeout=300) as slow:
+        for k in range(n + 10):
+            out = await timed("direct", k, lambda: engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0))
+            r = await via_endpoint("httpx", k, lambda ep: hx.post(
+                ep.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"}, json=body))
             assert r.status_code == 200, r.text
-            outs.add((tuple(out.token_ids), resp.usage.completion_tokens, r.json()["usage"]["completion_tokens"]))
+            resp = await via_endpoint("sdk", k, lambda ep: sdk.with_options(
+                base_url=ep.base_url, api_key=ep.api_key).chat.completions.create(**body))
+
+            async def fresh(ep):
+                async with openai.AsyncOpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0) as c:
+                    return await c.chat.completions.create(**body)
+
+            resp2 = await via_endpoint("sdk_new", k, fresh, after_another=False)
+            r2 = await via_endpoint("nagle", k, lambda ep: slow.post(
+                ep.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"}, json=body))
+            assert nagle_on(endpoint, r2.extensions["network_stream"].get_extra_info("client_addr")) == 1
+            outs.add((len(out.token_ids), r.json()["usage"]["completion_tokens"], resp.usage.completion_tokens,
+                      resp2.usage.completion_tokens, r2.json()["usage"]["completion_tokens"]))
             if k % 10 == 9:
-                print(f"  round trip {k + 1}/{n + 10}: direct {1e3 * (t1 - t0):.1f} ms, sdk {1e3 * (t3 - t2):.1f} ms, "
-                      f"httpx {1e3 * (t5 - t4):.1f} ms", flush=True)
-            if k >= 10:  # warm-up
-                times["direct"].append(t1 - t0)
-                times["sdk"].append(t3 - t2)
-                times["httpx"].append(t5 - t4)
-                cpu["direct"].append(c1 - c0)
-                cpu["sdk"].append(c3 - c2)
-                cpu["httpx"].append(c5 - c4)
-    assert len({(len(o[0]), o[1], o[2]) for o in outs}) == 1, "greedy outputs differ: not equal work"
+                print(f"  round trip {k + 1}/{n + 10}: " + ", ".join(
+                    f"{row} {1e3 * times[row][-1]:.1f} ms" for row in ROWS if times[row]), flush=True)
+    await sdk.close()
+    assert len(outs) == 1 and len(set(next(iter(outs)))) == 1, f"greedy outputs differ: not equal work {outs}"
     res = {k: (statistics.median(v) * 1e3, pct(v, 0.9) * 1e3) for k, v in times.items()}
-    res["tokens"] = len(next(iter(outs))[0])
+    res["paired"] = {k: statistics.median(a - b for a, b in zip(times[k], times["direct"])) * 1e3 for k in ROWS}
+    res["tokens"] = next(iter(outs))[0]
     res["cpu"] = {k: statistics.median(v) * 1e3 for k, v in cpu.items()}
     return res
 
@@ -130,6 +176,26 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int) 
     return res
 
 
+class Instant:
+    """An engine that answers every request at once with one fixed sample."""
+
+    def __init__(self, out):
+        self.out = out
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id=None, **_):
+        return self.out
+
+
+def show(title: str, rt: dict) -> None:
+    print(f"\n{title}:")
+    print(f"  {'':68s} p50 ms   p90 ms   +p50 ms  paired +ms  CPU ms")
+    for k in ROWS:
+        print(f"  {LABELS[k]:68s} {rt[k][0]:7.2f}  {rt[k][1]:7.2f}  {rt[k][0] - rt['direct'][0]:+7.2f}  "
+              f"{rt['paired'][k]:+9.2f}  {rt['cpu'][k]:6.2f}")
+    print("  (+p50: p50 minus the direct call's p50; paired: median over requests of the difference to the direct "
+          "call made just before it; CPU: this process's CPU time per request, p50)")
+
+
 async def main(args) -> None:
     from transformers import AutoTokenizer
 
@@ -157,12 +223,19 @@ async def main(args) -> None:
     await endpoint.start()
     print(f"model {model}; {args.requests} round trips, {args.groups} groups x {cfg.rollout.group_size} per path per rep")
     rt = await round_trips(endpoint, engine, renderer, args.requests)
-    print(f"\nround trip, same greedy request ({rt['tokens']} tokens out), p50 / p90 ms:")
-    for k in ("direct", "httpx", "sdk"):
-        print(f"  {k:8s} {rt[k][0]:7.2f} / {rt[k][1]:7.2f}")
-    print("  CPU ms of this process per request (p50): " + ", ".join(f"{k} {v:.2f}" for k, v in rt["cpu"].items()))
-    print(f"  endpoint adds (p50 wall): httpx {rt['httpx'][0] - rt['direct'][0]:+.2f} ms, "
-          f"openai SDK {rt['sdk'][0] - rt['direct'][0]:+.2f} ms")
+    show(f"round trip, same greedy request ({rt['tokens']} tokens out), {args.requests} each, interleaved", rt)
+    # The endpoint alone: an engine that answers at once with the tokens the real one sampled.
+    from examples.calculator_agent import SYSTEM, TOOLS, tasks
+
+    ids = renderer.prompt_ids([{"role": "system", "content": SYSTEM},
+                               {"role": "user", "content": tasks(1)["question"]}], TOOLS)
+    instant = Instant(await engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0))
+    alone = AgentEndpoint(renderer, parser, instant, rollout=cfg.rollout, agent=cfg.agent,
+                          max_model_len=cfg.engine.max_model_len)
+    await alone.start()
+    rt = await round_trips(alone, instant, renderer, args.requests)
+    show("the endpoint alone: the same request, an engine that answers at once", rt)
+    await alone.stop()
     tp = await throughput(endpoint, engine, renderer, parser, cfg, args.groups)
     print("\nthroughput at equal work (Calculator, same seeds, temperature "
           f"{cfg.rollout.temperature}, 2 reps alternating):")

@@ -111,3 +111,28 @@ def check_exact_tokens(trajectories: list[Any], calls: list[Any]) -> None:
 def tool_results(message: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"role": "tool", "tool_call_id": c["id"], "content": str(len(json.dumps(c)))}
             for c in message.get("tool_calls") or []]
+
+
+@dataclass(repr=False)
+class StreamingSampler(RecordingSampler):
+    """A :class:`RecordingSampler` that also streams (``stream``): one token per step. With
+    ``gate`` set (a threading.Event), it waits for the gate after its first token, so a test
+    can show that text reached the client while the turn was still being sampled."""
+
+    gate: Any = None
+    aborted: list[str] = field(default_factory=list)
+
+    async def stream(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, **kwargs):
+        out = await self.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  episode_id=episode_id, **kwargs)
+        done = False
+        try:
+            for i, tok in enumerate(out.token_ids):
+                if i == 1 and self.gate is not None:
+                    assert await asyncio.get_running_loop().run_in_executor(None, self.gate.wait, 30), "gate not opened"
+                yield Sampled([], [tok], [out.logprobs[i]], [out.versions[i]], out.finish_reason)
+                await asyncio.sleep(0)
+            done = True
+        finally:
+            if not done:
+                self.aborted.append(episode_id)

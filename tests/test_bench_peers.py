@@ -108,7 +108,11 @@ def test_min_new_tokens_reaches_the_engine_and_never_exceeds_the_turns_budget(to
 
     renderer = ChatRenderer(tok)
     client = _Recorder(renderer)
-    env = gymnasium.make("agentrl/Calculator-v0")
+    from agentrl.envs.calculator import CalculatorEnv
+
+    # the class itself, not gymnasium's registry: test_docs removes the ids its doc blocks register,
+    # which are agentrl's own when that file runs first
+    env = CalculatorEnv()
     cfg = RolloutConfig(max_new_tokens=12, min_new_tokens=min_new, max_turns=2, max_total_tokens=4096)
     anyio.run(lambda: run_episode(env, renderer, client, seed=0, cfg=cfg, episode_id="e"))
     assert client.calls

@@ -298,3 +298,150 @@ def test_cut_at_stop_finds_the_first_token_that_completes_a_stop_string(ids, sto
             expected = (k, text[:min(text.find(s) for s in stops if s in text)])
             break
     assert cut_at_stop(decode, ids, stops) == expected
+
+
+def test_kept_alive_connections_do_not_wait_on_delayed_acks(served):
+    """Every accepted connection has Nagle's algorithm off (TCP_NODELAY). Without it, a response's
+    header and body writes waited on the client's delayed ACK: +40 ms on each request after the
+    first on a kept-alive connection, which is how agent SDKs talk."""
+    import socket
+
+    endpoint, _, server = served
+    ep = endpoint.open_episode("nodelay", temperature=1.0)
+    try:
+        with httpx.Client(headers={"Authorization": f"Bearer {ep.api_key}"}, timeout=30) as hc:
+            for _ in range(2):
+                assert hc.post(ep.base_url + "/chat/completions", json=GOOD).status_code == 200
+
+            async def options() -> list[int]:
+                conns = endpoint._server.server_state.connections
+                return [c.transport.get_extra_info("socket").getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
+                        for c in conns if c.transport is not None and not c.transport.is_closing()]
+
+            flags = server.run(options())
+        assert flags and all(flags), flags
+    finally:
+        endpoint.close_episode(ep)
+
+
+@pytest.fixture(scope="module")
+def streaming(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from tests.endpoint_helpers import StreamingSampler
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    sampler = StreamingSampler(renderer)
+    server = ServerThread()
+    endpoint = make_endpoint(renderer, sampler, ["rollout.max_turns=40", "rollout.max_new_tokens=64"])
+    server.run(endpoint.start())
+    yield endpoint, sampler, server
+    server.run(endpoint.stop())
+    server.close()
+
+
+def _collect(chunks):
+    content, calls, finish = "", {}, None
+    for ch in chunks:
+        for choice in ch.choices:
+            finish = choice.finish_reason or finish
+            content += choice.delta.content or ""
+            for tc in choice.delta.tool_calls or []:
+                slot = calls.setdefault(tc.index, {"name": "", "arguments": ""})
+                slot["name"] += tc.function.name or ""
+                slot["arguments"] += tc.function.arguments or ""
+    return content, calls, finish
+
+
+def test_streaming_sends_text_while_the_engine_samples(streaming):
+    """With an engine client that streams, the first words reach the client before the engine has
+    sampled the rest of the turn (the sampler waits after its first token until the client has
+    seen text); the streamed content equals the plain response's, and the tokens are recorded
+    as sampled."""
+    import threading
+
+    endpoint, sampler, _ = streaming
+    sampler.kinds, sampler.gate = ("text",), threading.Event()
+    ep = endpoint.open_episode("live", temperature=1.0)
+    try:
+        with client(ep) as c:
+            stream = c.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": "hi"}],
+                                               stream=True)
+            chunks = []
+            for ch in stream:
+                chunks.append(ch)
+                if any(choice.delta.content for choice in ch.choices):
+                    sampler.gate.set()  # only now may the engine go on
+        content, calls, finish = _collect(chunks)
+        assert sampler.gate.is_set() and not calls and finish == "stop"
+        assert sum(bool(ch.choices and ch.choices[0].delta.content) for ch in chunks) >= 2  # in pieces
+        sampled = sampler.calls["live"][0]
+        assert content == endpoint.renderer.decode(sampled.token_ids)
+        check_exact_tokens(ep.recorder.trajectories(1.0), sampler.calls["live"])
+    finally:
+        sampler.gate = None
+        sampler.kinds = ("call", "text", "cut")
+        endpoint.close_episode(ep)
+
+
+def test_streamed_tool_calls_and_stop_strings_never_leak_as_content(streaming):
+    """Text that turns out to be a tool call, or a stop string, is held back while it is sampled:
+    a call arrives as tool_calls only, the stop string never appears, and both streams say
+    what the plain responses say."""
+    endpoint, sampler, _ = streaming
+    sampler.kinds = ("call",)
+    try:
+        for name, kwargs in (("s-call", {"tools": TOOLS}), ("s-stop", {"tools": TOOLS, "stop": ["calculate"]}),
+                             ("s-none", {"tools": TOOLS, "tool_choice": "none", "stop": "12 +"})):
+            ep = endpoint.open_episode(name, temperature=1.0)
+            with client(ep) as c:
+                content, calls, finish = _collect(list(c.chat.completions.create(
+                    model=MODEL, messages=[SYSTEM, {"role": "user", "content": "hi"}], stream=True, **kwargs)))
+            plain = endpoint.open_episode(name + "-plain", temperature=1.0)
+            with client(plain) as c:
+                ref = c.chat.completions.create(model=MODEL, messages=[SYSTEM, {"role": "user", "content": "hi"}],
+                                                **kwargs).choices[0]
+            assert content == (ref.message.content or ""), name
+            assert finish == ref.finish_reason, name
+            assert [(x["name"], json.loads(x["arguments"])) for x in calls.values()] == [
+                (t.function.name, json.loads(t.function.arguments)) for t in ref.message.tool_calls or []], name
+            check_exact_tokens(ep.recorder.trajectories(1.0), sampler.calls[name])
+            for e in (ep, plain):
+                endpoint.close_episode(e)
+        assert finish == "stop" and content == '<tool_call>\n{"name": "calculate", "arguments": {"expression": "'
+    finally:
+        sampler.kinds = ("call", "text", "cut")
+
+
+def test_a_client_that_leaves_mid_stream_aborts_the_turn(streaming):
+    """The engine's request is aborted, nothing is recorded, and the episode takes its next
+    request (its lock was released)."""
+    import threading
+
+    endpoint, sampler, server = streaming
+    sampler.kinds, sampler.gate = ("text",), threading.Event()
+    ep = endpoint.open_episode("leave", temperature=1.0)
+    try:
+        with httpx.Client(timeout=30) as hc:
+            with hc.stream("POST", ep.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"},
+                           json={**GOOD, "stream": True}) as r:
+                for line in r.iter_lines():
+                    if '"content": "' in line and '"content": ""' not in line:
+                        break  # text arrived; go away while the engine is held at its gate
+        server.run(asyncio_sleep(0.3))
+        sampler.gate.set()
+        server.run(asyncio_sleep(0.3))
+        assert sampler.aborted == ["leave"] and not ep.recorder.segments
+        sampler.gate = None
+        assert _raw(endpoint, ep.api_key, GOOD).status_code == 200
+        assert len(ep.recorder.segments) == 1
+    finally:
+        sampler.gate = None
+        sampler.kinds = ("call", "text", "cut")
+        endpoint.close_episode(ep)
+
+
+async def asyncio_sleep(seconds: float) -> None:
+    import asyncio
+
+    await asyncio.sleep(seconds)

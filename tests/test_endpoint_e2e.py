@@ -26,11 +26,26 @@ class RecordingEngine:
         self.engine = engine
         self.calls: dict[str, list[Sampled]] = {}
 
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id):
-        out = await self.engine.generate(list(prompt_ids), max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, stop=None):
+        out = await self.engine.generate(list(prompt_ids), max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                         stop=stop)
         self.calls.setdefault(episode_id, []).append(
             Sampled(list(prompt_ids), list(out.token_ids), list(out.logprobs), list(out.versions), out.finish_reason))
         return out
+
+    async def stream(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, stop=None):
+        """The engine's own stream (one item per engine step), recorded whole when it ends."""
+        whole = Sampled(list(prompt_ids), [], [], [])
+        self.num_stream_items = getattr(self, "num_stream_items", 0)
+        async for delta in self.engine.generate_stream(list(prompt_ids), max_tokens=max_tokens,
+                                                       temperature=temperature, top_p=top_p, stop=stop):
+            whole.token_ids += delta.token_ids
+            whole.logprobs += delta.logprobs
+            whole.versions += delta.versions
+            whole.finish_reason = delta.finish_reason
+            self.num_stream_items += 1
+            yield delta
+        self.calls.setdefault(episode_id, []).append(whole)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +123,70 @@ def test_agents_sdk_over_the_endpoint(real):
         _check(real, group)
 
 
+def test_stop_strings_stop_the_engine_and_the_tokens_stay_exact(real):
+    """``stop`` goes to vLLM (SamplingParams.stop): sampling ends with the token that completes
+    the string, the trajectory holds exactly the tokens vLLM sampled (none dropped, none added),
+    and the content is the text before the stop string, which is not included (as OpenAI's API
+    documents), streamed or not."""
+    import openai
+
+    endpoint, recording, _, _ = real
+    renderer = endpoint.renderer
+    stops = ["e", "a", "o", " "]  # common enough that a 24-token sample of the random tiny model holds one
+    for stream in (False, True):
+        for attempt in range(8):
+            name = f"stop-{stream}-{attempt}"
+            ep = endpoint.open_episode(name, temperature=1.0)
+            with openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0) as c:
+                out = c.chat.completions.create(model="agentrl-policy", messages=[
+                    {"role": "user", "content": "Say something"}], max_tokens=24, stop=stops, stream=stream)
+                if stream:
+                    chunks = [ch for ch in out if ch.choices]
+                    content = "".join(ch.choices[0].delta.content or "" for ch in chunks)
+                    finish = chunks[-1].choices[0].finish_reason
+                else:
+                    content, finish = out.choices[0].message.content, out.choices[0].finish_reason
+            endpoint.close_episode(ep)
+            sampled = recording.calls[name][0].token_ids
+            text = renderer.decode(sampled)
+            if any(s in text for s in stops):
+                break
+        else:
+            raise AssertionError("no sample held a stop string")
+        # vLLM stopped at the token that completes the first stop string: no earlier, no later
+        assert not any(s in renderer.decode(sampled[:-1]) for s in stops), "vLLM sampled past the stop string"
+        traj = ep.recorder.trajectories(1.0)
+        check_exact_tokens(traj, recording.calls[name])
+        start, end = traj[0].turn_spans[0]
+        assert traj[0].token_ids[start:end] == sampled  # all of them, not a prefix
+        first = min(text.find(s) for s in stops if s in text)
+        assert finish == "stop" and content == text[:first], (content, text)
+
+
+def test_streaming_on_the_real_engine_sends_each_step(real):
+    """stream=true against vLLM: several content events for one turn (one per engine step), which
+    join to the plain response's text for the same greedy request."""
+    import openai
+
+    endpoint, recording, _, _ = real
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    texts = []
+    for stream in (False, True):
+        ep = endpoint.open_episode(f"story-{stream}", temperature=0.0)
+        with openai.OpenAI(base_url=ep.base_url, api_key=ep.api_key, max_retries=0) as c:
+            out = c.chat.completions.create(model="agentrl-policy", messages=messages, max_tokens=16, stream=stream)
+            if stream:
+                before = getattr(recording, "num_stream_items", 0)
+                pieces = [ch.choices[0].delta.content for ch in out if ch.choices and ch.choices[0].delta.content]
+                texts.append("".join(pieces))
+                assert recording.num_stream_items - before >= 8 and len(pieces) >= 2, pieces
+            else:
+                texts.append(out.choices[0].message.content)
+        endpoint.close_episode(ep)
+        check_exact_tokens(ep.recorder.trajectories(1.0), recording.calls[f"story-{stream}"])
+    assert texts[0] == texts[1]
+
+
 def test_rewritten_history_starts_segments_on_the_real_engine(real):
     """A summarizing agent: its second request replaces the history, its third continues it."""
     group = _group(real, "tests.test_endpoint_e2e:summarizing_agent", seed=3, n=2)
@@ -129,7 +208,8 @@ async def summarizing_agent(client, task):
 
 def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path):
     """`Trainer` with agent.solve: rollout actors serve the endpoint, the Agents SDK agent makes
-    the requests, three learner steps with refits consume the recorded trajectories."""
+    the requests (streamed on some tasks: the engine actor's streaming generator through Ray),
+    three learner steps with refits consume the recorded trajectories."""
     import ray
 
     from agentrl.trainer import Trainer
@@ -140,7 +220,7 @@ def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path):
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": REPO}})
     run_dir = tmp_path / "run"
-    cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "agent.solve=tests.e2e_agents:solve",
+    cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "agent.solve=tests.e2e_agents:solve_mixed",
                                           "agent.tasks=tests.e2e_agents:tasks", "rollout.max_turns=3",
                                           "agent.timeout_s=60"))
     trainer = Trainer(cfg, progress=False)
@@ -156,4 +236,6 @@ def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path):
     assert all(r["rollout/failed_frac"] < 1.0 and r["rollout/segments"] >= 1.0 for r in steps)
     assert steps[-1]["replay/token_version_max"] >= 1, "no token was sampled with refit weights"
     assert stats["rollout/endpoint_refused"] == 0.0
-    assert json.loads((run_dir / "config.json").read_text())["agent"]["solve"] == "tests.e2e_agents:solve"
+    assert stats["rollout/endpoint_streamed"] > 0 and stats["rollout/endpoint_requests"] > stats[
+        "rollout/endpoint_streamed"], stats
+    assert json.loads((run_dir / "config.json").read_text())["agent"]["solve"] == "tests.e2e_agents:solve_mixed"

@@ -219,3 +219,21 @@ def test_checkpoints_see_the_learner_right_after_their_step(tmp_path, ray_local,
         meta = json.loads((ckpts / name / "trainer.json").read_text())
         assert meta["version"] == meta["step"] == int(name[-6:])
         assert json.loads((ckpts / name / "learner" / "version.json").read_text()) == meta["version"]
+
+
+def test_a_colocated_engine_that_cannot_wake_gets_a_diagnosis() -> None:
+    """vLLM's raw 'CUDA Error: out of memory' on wake becomes a message that names the engine's share,
+    what the learner holds, and the settings that make room; any other failure passes through."""
+    from types import SimpleNamespace
+
+    from agentrl.trainer import Trainer
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs/gpu_1x.yaml", ["engine.gpu_memory_utilization=0.5"])
+    me = SimpleNamespace(cfg=cfg)
+    oom = Exception("Call to wake_up method failed: CUDA Error: out of memory at cumem_allocator.cpp:163")
+    err = Trainer._wake_failure(me, oom, {"reserved_gib": 31.5})
+    assert isinstance(err, RuntimeError)
+    assert "engine.gpu_memory_utilization=0.5" in str(err) and "31.5 GiB" in str(err)
+    assert "activation_checkpointing" in str(err)
+    other = ValueError("engine died")
+    assert Trainer._wake_failure(me, other, {}) is other

@@ -13,6 +13,7 @@ import contextlib
 import itertools
 import os
 import tempfile
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     import torch
 
-    from agentrl.config import EngineConfig
+    from agentrl.config import EngineConfig, LoRAConfig
     from agentrl.refit import RefitPayload
 
 __all__ = ["GenerationResult", "VLLMEngine"]
@@ -106,10 +107,17 @@ class VLLMEngine:
         cfg: the ``engine`` config section.
         dtype: parameter dtype ("float32" keeps engine and learner logprobs equal on CPU).
         seed: sampling seed of the engine.
+        lora: the learner's ``learner.lora`` when it trains adapters: the engine starts with LoRA
+            enabled, every refit loads the new adapter in place (one adapter id, so in-flight
+            requests continue on it, as with full weights) and every request uses it. Until the
+            first adapter arrives requests run on the base, which equals a fresh adapter (B = 0).
     """
 
+    LORA_ID = 1  # the one adapter slot the policy uses; reloaded in place at every refit
+
     def __init__(self, model_path: str, cfg: "EngineConfig", *, dtype: str = "float32", seed: int = 0,
-                 enable_sleep_mode: bool = False) -> None:
+                 enable_sleep_mode: bool = False, lora: "LoRAConfig | None" = None,
+                 engine_args: dict | None = None) -> None:
         self.model_path = model_path
         self.cfg = cfg
         self.dtype = dtype
@@ -120,6 +128,10 @@ class VLLMEngine:
         self.num_inflight = 0
         self._llm = None
         self._ids = itertools.count()
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.lora_request = None  # vllm LoRARequest of the adapter now served (None: the base)
+        self._adapter_dir: Path | None = None
+        self.engine_args = dict(engine_args or {})
 
     async def start(self) -> None:
         """Start the engine (spawns vLLM's engine-core process)."""
@@ -147,8 +159,19 @@ class VLLMEngine:
             enable_prefix_caching=True,
             worker_extension_cls="agentrl.engines.worker_ext.WeightSyncExtension",
             enable_sleep_mode=self.enable_sleep_mode,
+            **self._lora_args(),
+            **self.engine_args,
         )
         self._llm = AsyncLLM.from_engine_args(args)
+
+    def _lora_args(self) -> dict:
+        if self.lora is None:
+            return {}
+        from agentrl.lora import engine_max_rank
+
+        # One adapter (the policy); its dtype is the model's (lora_dtype "auto").
+        return {"enable_lora": True, "max_lora_rank": engine_max_rank(self.lora.rank), "max_loras": 1,
+                "max_cpu_loras": 1}
 
     @property
     def llm(self):
@@ -167,9 +190,39 @@ class VLLMEngine:
         seed: int | None = None,
         ignore_eos: bool = False,
         min_tokens: int = 0,
+        stop: list[str] | None = None,
     ) -> GenerationResult:
         """Sample a continuation of ``prompt_ids``; each token is tagged with the version in force
-        when it came out of the engine (with in-flight refit, one turn can span versions)."""
+        when it came out of the engine (with in-flight refit, one turn can span versions).
+
+        ``stop``: strings at which vLLM ends the sampling (the tokens returned end with the one
+        that completes the string; the text is the caller's to cut)."""
+        result = GenerationResult()
+        async for delta in self.generate_stream(
+                prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                stop_token_ids=stop_token_ids, seed=seed, ignore_eos=ignore_eos, min_tokens=min_tokens, stop=stop):
+            result.token_ids += delta.token_ids
+            result.logprobs += delta.logprobs
+            result.versions += delta.versions
+            result.finish_reason = delta.finish_reason
+        return result
+
+    async def generate_stream(
+        self,
+        prompt_ids: list[int],
+        *,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        stop_token_ids: list[int] | None = None,
+        seed: int | None = None,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+        stop: list[str] | None = None,
+    ) -> AsyncIterator[GenerationResult]:
+        """:meth:`generate` as it happens: one :class:`GenerationResult` per engine step holding
+        that step's new tokens (the last one carries the finish reason). Leaving the loop early
+        aborts the request."""
         from vllm import SamplingParams, TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
@@ -182,28 +235,29 @@ class VLLMEngine:
             seed=seed,
             ignore_eos=ignore_eos,
             min_tokens=min_tokens,
-            detokenize=False,
+            # vLLM matches stop strings in its detokenizer: text is made only when one is asked for,
+            # decoded as agentrl decodes sampled text (special tokens kept).
+            stop=list(stop) if stop else None,
+            detokenize=bool(stop),
+            skip_special_tokens=not stop,
             output_kind=RequestOutputKind.DELTA,
         )
-        result = GenerationResult()
         self.num_inflight += 1
         try:
             request_id = f"agentrl-{next(self._ids)}"
-            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id):
+            async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id,
+                                               lora_request=self.lora_request):
                 comp = out.outputs[0]
                 new = list(comp.token_ids)
-                result.token_ids.extend(new)
                 lps = comp.logprobs or []
-                for tok, lp in zip(new, lps[-len(new):] if new else []):
-                    result.logprobs.append(float(lp[tok].logprob))
-                result.versions.extend([self.version] * len(new))
-                if comp.finish_reason is not None:
-                    result.finish_reason = str(comp.finish_reason)
+                delta = GenerationResult(new, [float(lp[tok].logprob) for tok, lp in zip(new, lps[-len(new):] if new else [])],
+                                         [self.version] * len(new), str(comp.finish_reason or "stop"))
+                if len(delta.logprobs) != len(new):
+                    raise RuntimeError("vLLM returned a different number of logprobs than tokens")
+                if new or comp.finish_reason is not None:
+                    yield delta
         finally:
             self.num_inflight -= 1
-        if len(result.logprobs) != len(result.token_ids):
-            raise RuntimeError("vLLM returned a different number of logprobs than tokens")
-        return result
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of every token given its prefix under the current weights (0.0 at position 0)."""
@@ -211,7 +265,8 @@ class VLLMEngine:
 
         params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0, detokenize=False)
         final = None
-        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params, f"score-{next(self._ids)}"):
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                           f"score-{next(self._ids)}", lora_request=self.lora_request):
             final = out
         plp = final.prompt_logprobs
         return [0.0] + [float(d[t].logprob) for t, d in zip(token_ids[1:], plp[1:])]
@@ -227,7 +282,13 @@ class VLLMEngine:
         learner sends at the same time). ``drain`` lets in-flight requests finish first;
         ``continue`` freezes them, swaps, and resumes them on the new weights. While the engine
         sleeps (colocated), the weights are loaded into the woken weight memory and the KV cache
-        is woken afterwards. Returns seconds spent paused."""
+        is woken afterwards. Returns seconds spent paused.
+
+        With LoRA (``lora``) ``weights`` holds the adapter's tensors only (PEFT names), by any
+        transport; they are written as an adapter directory on the engine's host (/dev/shm) and
+        loaded in place into the policy's adapter slot."""
+        if self.lora is not None:
+            return await self._update_adapter(weights, version, mode)
         loop = asyncio.get_running_loop()
         path = None
         if isinstance(weights, dict):
@@ -260,6 +321,49 @@ class VLLMEngine:
                 path.unlink(missing_ok=True)
                 with contextlib.suppress(OSError):
                     path.parent.rmdir()  # empty between refits: nothing of this process stays in /dev/shm
+        return loop.time() - t0
+
+    async def _update_adapter(self, weights: "dict[str, torch.Tensor] | RefitPayload", version: int,
+                              mode: Literal["drain", "continue"]) -> float:
+        import json
+
+        from vllm.lora.request import LoRARequest
+
+        from agentrl.lora import ADAPTER_CONFIG, adapter_config, write_adapter_dir
+
+        loop = asyncio.get_running_loop()
+        path = _shm_dir() / f"adapter-v{version}"
+        config = adapter_config(self.lora, self.model_path)
+        t0 = loop.time()
+        if isinstance(weights, dict):
+            await loop.run_in_executor(None, write_adapter_dir, path, weights, config)
+        else:  # the worker writes the tensors it received (CUDA IPC views or the broadcast buffer)
+            method = "agentrl_stage_adapter_ipc" if weights.transport == "cuda_ipc" else "agentrl_receive_adapter"
+            args = (weights.handle, weights.spec, str(path)) if weights.transport == "cuda_ipc" else (weights.spec, str(path))
+            await self.llm.collective_rpc(method, args=args)
+            (path / ADAPTER_CONFIG).write_text(json.dumps(config))
+        new = LoRARequest("agentrl-policy", self.LORA_ID, str(path))
+        inplace = LoRARequest("agentrl-policy", self.LORA_ID, str(path), load_inplace=True)
+        old_dir, self._adapter_dir = self._adapter_dir, path
+        try:
+            if self.sleeping:
+                await self.llm.wake_up()
+                self.sleeping = False
+                await self.llm.add_lora(inplace)
+                await self.llm.reset_prefix_cache()
+            else:
+                await self.llm.pause_generation(mode="wait" if mode == "drain" else "keep", clear_cache=False)
+                try:
+                    await self.llm.add_lora(inplace)
+                    await self.llm.reset_prefix_cache()  # cached prefixes hold KV of the old adapter
+                finally:
+                    await self.llm.resume_generation()
+            self.lora_request, self.version = new, version
+        finally:
+            if old_dir is not None and old_dir != path:
+                import shutil
+
+                shutil.rmtree(old_dir, ignore_errors=True)
         return loop.time() - t0
 
     async def _stage_file(self, weights: "dict[str, torch.Tensor]", version: int) -> Path:
@@ -311,6 +415,10 @@ class VLLMEngine:
         return float((await self.llm.collective_rpc("agentrl_weight_checksum"))[0])
 
     def shutdown(self) -> None:
+        if self._adapter_dir is not None:
+            import shutil
+
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None

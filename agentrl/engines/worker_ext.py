@@ -1,4 +1,4 @@
-"""vLLM worker extension: in-place weight loading for refit.
+"""vLLM worker extension: in-place weight loading for refit (full weights, or a LoRA adapter).
 
 Mixed into every vLLM worker via ``worker_extension_cls`` and called through ``collective_rpc``.
 ``collective_rpc`` serializes its arguments (tensors would arrive as nested lists), so weights
@@ -70,6 +70,84 @@ class WeightSyncExtension:
         self.model_runner.reload_weights(weights_iterator=unflatten_weights(buf, layout), is_checkpoint_format=True)
         self._agentrl_redispatch_tied_heads()
         return layout.num_tensors
+
+    # -- LoRA: adapter tensors only; the engine loads the directory written here in place -------
+    def agentrl_stage_adapter_ipc(self, handle: bytes, spec: bytes, path: str) -> int:
+        """Write the adapter tensors of the learner's flat GPU buffer (CUDA IPC) to ``path``."""
+        import torch
+
+        from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+
+        layout = spec_from_bytes(spec)
+        buffer = open_ipc_handle(handle, self.device.index)
+        try:
+            # One device-to-host copy of the whole (small) buffer, then host views of it.
+            host = buffer[:layout.nbytes].to("cpu")
+            torch.cuda.synchronize()  # the learner may free the buffer once this returns
+        finally:
+            del buffer
+        return self._agentrl_write_adapter(dict(unflatten_weights(host, layout)), path)
+
+    def agentrl_receive_adapter(self, spec: bytes, path: str) -> int:
+        """Receive the learner's broadcast adapter buffer and write it to ``path``."""
+        import torch
+
+        from agentrl.refit import spec_from_bytes, unflatten_weights
+
+        layout = spec_from_bytes(spec)
+        group = getattr(self, "_agentrl_group", None)
+        if group is None:
+            raise RuntimeError("agentrl_receive_adapter: no refit group (agentrl_init_weight_group first)")
+        buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, device=self.device)
+        group.broadcast(buf)
+        return self._agentrl_write_adapter(dict(unflatten_weights(buf.to("cpu"), layout)), path)
+
+    def agentrl_swap_adapter(self, source: bytes | str, spec: bytes | None, config_json: str, lora_id: int) -> int:
+        """Swap the adapter ``lora_id`` for new tensors without a file: from a CUDA IPC handle of
+        the learner's flat buffer (``spec`` its layout) or a safetensors path (``spec`` None).
+        Builds vLLM's LoRAModel from the tensors and replaces the loaded adapter in the worker's
+        adapter manager (the same steps as vLLM's in-place load, minus reading a directory).
+        Measured beside the file path in bench/lora.py; the engine's refit uses the file path."""
+        import json
+
+        import torch
+        from vllm.lora.lora_model import LoRAModel
+        from vllm.lora.peft_helper import PEFTHelper
+
+        from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+
+        manager = self.model_runner.lora_manager
+        if spec is not None:
+            buffer = open_ipc_handle(source, self.device.index)  # type: ignore[arg-type]
+            tensors = {name: t.clone() for name, t in unflatten_weights(buffer, spec_from_bytes(spec))}
+            torch.cuda.synchronize()  # copied: the learner may free its buffer once this returns
+            del buffer
+        else:
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(source))
+        helper = PEFTHelper.from_dict(json.loads(config_json))
+        helper.validate_legal(manager.lora_config)
+        lora = LoRAModel.from_lora_tensors(
+            lora_model_id=lora_id, tensors=tensors, peft_helper=helper, device=str(self.device),
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size)
+        adapters = manager._adapter_manager
+        adapters.remove_adapter(lora_id)
+        adapters.add_adapter(lora)
+        adapters.activate_adapter(lora_id)
+        return len(tensors)
+
+    def _agentrl_write_adapter(self, tensors: dict, path: str) -> int:
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        from agentrl.lora import ADAPTER_WEIGHTS
+
+        if int(getattr(self, "rank", 0)) == 0:  # tensor-parallel workers share the host's file
+            Path(path).mkdir(parents=True, exist_ok=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(Path(path) / ADAPTER_WEIGHTS))
+        return len(tensors)
 
     def _agentrl_redispatch_tied_heads(self) -> None:
         # With tied embeddings the LM head shares the embedding parameter; its CPU GEMM packing is

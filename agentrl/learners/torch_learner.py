@@ -48,11 +48,17 @@ class TorchLearner:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() and cfg.learner.num_gpus else "cpu"))
         torch.manual_seed(cfg.seed)
         self.model = load_hf_model(self.model_path, cfg.model.dtype, self.device)
+        self.lora = cfg.learner.lora if cfg.learner.lora.enabled else None
+        if self.lora is not None:
+            from agentrl.lora import wrap_model
+
+            # Adapters over a frozen base; the KL reference is the base itself (adapters disabled).
+            self.model = wrap_model(self.model, self.lora, self.model_path)
         # Eval mode in every pass: no dropout, as in the engine that sampled the tokens (the IS
         # ratios compare the same policy), and the training pass's logprobs are the proximal ones.
         self.model.eval()
         self.ref_model = None
-        if cfg.loss.kl.coef > 0:
+        if cfg.loss.kl.coef > 0 and self.lora is None:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = self._make_optimizer(cfg.learner.lr)
         self.pad_id = int(self.model.config.pad_token_id or 0)
@@ -60,7 +66,8 @@ class TorchLearner:
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         lc = self.cfg.learner
-        return adamw(self.model.parameters(), lr, weight_decay=lc.weight_decay, betas=tuple(lc.betas))
+        params = [p for p in self.model.parameters() if p.requires_grad]  # LoRA: the adapters only
+        return adamw(params, lr, weight_decay=lc.weight_decay, betas=tuple(lc.betas))
 
     @property
     def temperature(self) -> float:
@@ -81,7 +88,7 @@ class TorchLearner:
         num_tokens, num_sequences = global_counts(samples)  # the loss's normalizers: whole batch
         # Samples with all-zero advantages (tied groups) contribute exactly nothing: no passes for
         # them. When none is left, no optimizer step either (AdamW would move on its momentum).
-        samples = with_signal(samples, has_kl=self.ref_model is not None)
+        samples = with_signal(samples, has_kl=cfg.loss.kl.coef > 0)
         plan = plan_microbatches(samples, cfg.packing)[0]
         packs = [pack_samples(samples, mb, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id) for mb in plan]
 
@@ -90,6 +97,9 @@ class TorchLearner:
         if self.ref_model is not None:
             with torch.no_grad():
                 refs = [self._logprobs(self.ref_model, p) for p in packs]
+        elif self.lora is not None and cfg.loss.kl.coef > 0:
+            with torch.no_grad(), self.model.disable_adapter():
+                refs = [self._logprobs(self.model, p) for p in packs]
         t2 = time.perf_counter()
 
         self.optimizer.zero_grad(set_to_none=True)
@@ -141,17 +151,41 @@ class TorchLearner:
 
     def export_weights(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """HF-named weights: copies on CPU, or (``device="cuda"``, for a GPU refit) the model's own
-        GPU tensors, which the refit copies into its flat buffer."""
+        GPU tensors, which the refit copies into its flat buffer. With LoRA: base + adapter, merged."""
+        if self.lora is not None:
+            from agentrl.lora import merged_weights
+
+            return merged_weights(self.model, device=device)
         if torch.device(device).type == "cuda" and self.device.type == "cuda":
             return {k: v.detach() for k, v in self.model.state_dict().items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def export_adapter(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """The LoRA adapter's tensors (PEFT names, the model's dtype): copies on CPU, or with
+        ``device="cuda"`` the learner's own GPU tensors (a GPU refit copies them into its buffer)."""
+        from agentrl.lora import adapter_tensors
+
+        if self.lora is None:
+            raise RuntimeError("export_adapter: learner.lora is off (rank 0); use export_weights")
+        own = torch.device(device).type == "cuda" and self.device.type == "cuda"
+        return adapter_tensors(self.model, device=None if own else "cpu", dtype=self.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        from agentrl.models import torch_dtype
+
+        return torch_dtype(self.cfg.model.dtype)
+
     def save(self, path: str | Path) -> None:
-        """HF model (safetensors) + tokenizer under ``path/model``; optimizer, RNG, version beside."""
+        """HF model (safetensors) + tokenizer under ``path/model`` (with LoRA: the adapter only,
+        under ``path/adapter``); optimizer, RNG, version beside."""
         path = Path(path)
-        (path / "model").mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(path / "model", safe_serialization=True)
-        copy_tokenizer_files(self.model_path, path / "model")
+        if self.lora is not None:
+            self.model.save_pretrained(path / "adapter", safe_serialization=True)
+        else:
+            (path / "model").mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(path / "model", safe_serialization=True)
+            copy_tokenizer_files(self.model_path, path / "model")
         torch.save(
             {
                 "optimizer": self.optimizer.state_dict(),
@@ -165,10 +199,29 @@ class TorchLearner:
     def load(self, path: str | Path) -> None:
         path = Path(path)
         state_file = path / "learner_state.pt"
-        if not (path / "model").is_dir() or not state_file.is_file():
-            raise FileNotFoundError(f"{path} is not a learner checkpoint (needs model/ and learner_state.pt)")
-        model = load_hf_model(path / "model", self.cfg.model.dtype, self.device)
-        self.model.load_state_dict(model.state_dict())
+        weights = "adapter" if self.lora is not None else "model"
+        if not (path / weights).is_dir() or not state_file.is_file():
+            other = "model" if self.lora is not None else "adapter"
+            hint = (f" (it holds {other}/: a checkpoint of a run with learner.lora.rank "
+                    f"{'0' if self.lora is not None else '> 0'}; resume with the same learner.lora)"
+                    if (path / other).is_dir() else "")
+            raise FileNotFoundError(f"{path} is not a learner checkpoint of this run (needs {weights}/ and "
+                                    f"learner_state.pt){hint}")
+        if self.lora is not None:
+            from peft import set_peft_model_state_dict
+            from safetensors.torch import load_file
+
+            from agentrl.lora import ADAPTER_WEIGHTS
+
+            result = set_peft_model_state_dict(self.model, load_file(str(path / "adapter" / ADAPTER_WEIGHTS),
+                                                                     device=str(self.device)))
+            missing = [k for k in result.missing_keys if ".lora_" in k]
+            if missing:
+                raise ValueError(f"{path / 'adapter'}: adapter tensors missing for {missing[:3]} (was it saved with "
+                                 "other learner.lora.target_modules?)")
+        else:
+            model = load_hf_model(path / "model", self.cfg.model.dtype, self.device)
+            self.model.load_state_dict(model.state_dict())
         state: dict[str, Any] = torch.load(state_file, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.version = int(state["version"])

@@ -4,9 +4,15 @@ Settings:
   recommended  what configs/gpu_1x.yaml and the GPU guide recommend on one GPU: the engine and the
                Megatron learner both resident (static split), async with max_staleness 2, refit
                every step by CUDA IPC; the long workload sleeps the engine while the learner steps
-               (colocated), since a 16k-token micro-batch does not fit beside a resident engine.
+               (colocated), since a 16k-token micro-batch does not fit beside a resident engine; its
+               engine share is 0.25 (16 episodes of 16.6k tokens need ~7.4 GB of KV cache): at
+               0.5 the waking engine found no room beside the learner's weights and optimizer
+               state (an OOM on the H100, 2026-11-25, kept in the results).
   like         closest to TRL's colocate mode: the same placement, but on-policy (max_staleness 0:
                generate, then train, then refit, one after the other).
+  memory       `like` at TRL's recommended memory settings, for the peak-memory comparison: vLLM's
+               share of the GPU is TRL's (0.3) and the learner recomputes activations
+               (megatron.activation_checkpointing, as TRL's gradient checkpointing does).
 
     python bench/peers/run_agentrl.py --workload multi --settings recommended,like --out peers.json
 """
@@ -40,6 +46,8 @@ ENV_ID = "bench.peers.peer_env:PeerTool-v0"
 
 def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting: str) -> list[str]:
     steps = args.warmup + args.steps
+    on_policy = setting in ("like", "memory")
+    engine_mem = 0.3 if setting == "memory" else args.engine_mem
     max_len = wl.episode_tokens + 512
     colocated = wl.name == "long" and not args.cpu
     out = [
@@ -48,12 +56,12 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
         f"env.kwargs={{texts_file: '{texts_file}', tool_calls: {wl.tool_calls}, latency_s: {wl.tool_latency_s}, "
         f"new_tokens: {wl.new_tokens}, max_turns: {wl.tool_calls + 1}}}",
         "rollout.num_actors=2", f"rollout.group_size={wl.group_size}",
-        f"rollout.max_concurrent_groups={max(1, wl.prompts_per_step // 2) if setting == 'like' else wl.prompts_per_step}",
+        f"rollout.max_concurrent_groups={max(1, wl.prompts_per_step // 2) if on_policy else wl.prompts_per_step}",
         "rollout.temperature=1.0", "rollout.top_p=1.0", f"rollout.max_new_tokens={wl.new_tokens}",
         f"rollout.min_new_tokens={wl.new_tokens}", f"rollout.max_turns={wl.tool_calls + 1}",
         f"rollout.max_total_tokens={max_len}", f"engine.max_model_len={max_len}",
         f"engine.max_num_seqs={min(256, wl.group_size * wl.prompts_per_step * 2)}", "engine.enforce_eager=auto",
-        f"replay.max_staleness={0 if setting == 'like' else 2}", f"replay.groups_per_step={wl.prompts_per_step}",
+        f"replay.max_staleness={0 if on_policy else 2}", f"replay.groups_per_step={wl.prompts_per_step}",
         f"replay.capacity={4 * wl.prompts_per_step}",
         f"learner.lr={args.lr}", "loss.clip_low=0.2", "loss.clip_high=0.28",
         f"packing.max_tokens_per_microbatch={max(8192, max_len)}",
@@ -65,7 +73,9 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
                 "engine.kv_cache_gib=1"]
     else:
         out += [f"colocate.engine_sleep={'true' if colocated else 'false'}",
-                f"engine.gpu_memory_utilization={0.5 if colocated else args.engine_mem}", "cluster.num_cpus=14"]
+                f"engine.gpu_memory_utilization={0.25 if colocated else engine_mem}", "cluster.num_cpus=14"]
+        if setting == "memory":
+            out.append("learner.megatron.activation_checkpointing=true")
     return out + list(args.set)
 
 

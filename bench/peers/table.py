@@ -1,8 +1,10 @@
 """Print the peer harness's table from one or more result files (bench/peers/README.md).
 
 One row per system, setting and workload; each peer row ends with agentrl/peer ratios of trained
-tokens/s/GPU: agentrl's recommended setting over the peer's recommended one, and agentrl's
-like-for-like setting over the peer's row. A run that did not finish is listed with its reason.
+tokens/s/GPU: agentrl's recommended setting over the peer's recommended one, agentrl's
+like-for-like setting over the peer's row, and the best agentrl row that finished over the best
+finished row of any peer (the goals' "agentrl vs the best peer"). A run that did not finish is
+listed with the last line of its reason.
 
     python bench/peers/table.py peers.json [more.json ...] [--markdown]
 """
@@ -31,17 +33,22 @@ def _tput(row: dict | None) -> float | None:
 
 def table(rows: list[dict], markdown: bool = False) -> str:
     head = ["workload", "system", "setting", "status", "steps", "step s", "trained tok/s/GPU", "gen tok/s",
-            "sync s", "peak GiB", "GPU busy", "episode tok", "reward first→last", "agentrl/peer (rec, like)"]
+            "sync s", "peak GiB", "GPU busy", "episode tok", "reward first→last", "agentrl/peer (rec, like, best)"]
     out = []
     for wl in dict.fromkeys(r["workload"] for r in rows):
         mine = {r["setting"]: r for r in rows if r["workload"] == wl and r["system"] == "agentrl"}
+        best_mine = max((_tput(r) or 0.0 for r in mine.values()), default=0.0)
+        best_peer = max((_tput(r) or 0.0 for r in rows if r["workload"] == wl and r["system"] != "agentrl"), default=0.0)
         for r in [r for r in rows if r["workload"] == wl]:
             curve = r.get("reward_curve") or []
             ratio = ""
             if r["system"] != "agentrl" and _tput(r):
                 rec, like = _tput(mine.get("recommended")), _tput(mine.get("like"))
-                ratio = f"{_f(rec and rec / _tput(r), '.2f')}×, {_f(like and like / _tput(r), '.2f')}×"
-            status = r["status"] if r["status"] == "ok" else f"{r['status']}: {r.get('reason', '')[:80]}"
+                best = best_mine / best_peer if best_mine and _tput(r) == best_peer else None
+                ratio = (f"{_f(rec and rec / _tput(r), '.2f')}×, {_f(like and like / _tput(r), '.2f')}×, "
+                         f"{_f(best, '.2f')}×")
+            reason = (r.get("reason") or "").strip().splitlines()
+            status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(reason[-1] if reason else '')[-90:]}"
             out.append([wl, r["system"], r["setting"], status, str(r.get("steps", 0)), _f(r.get("step_time_s"), ".1f"),
                         _f(r.get("trained_tokens_per_s_per_gpu"), ",.0f"), _f(r.get("generated_tokens_per_s"), ",.0f"),
                         _f(r.get("weight_sync_s"), ".2f"), _f(r.get("peak_gpu_gib"), ".1f"), _f(r.get("gpu_busy"), ".2f"),

@@ -1,0 +1,176 @@
+"""LoRA adapters through PEFT: wrapping the learner's model, the adapter's tensors, merged exports.
+
+The learner trains a PEFT adapter over a frozen base; a refit moves only the adapter's tensors,
+named as PEFT saves them (``base_model.model.<module>.lora_A.weight``), which is also the layout
+vLLM's LoRA loader reads. An adapter directory (``adapter_model.safetensors`` beside
+``adapter_config.json``) is the one format on disk: checkpoints, the engines' refits and
+:func:`merge_adapter` all use it. This module knows nothing of Ray or vLLM; peft and transformers
+are imported when used.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from agentrl.config import LoRAConfig
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "adapter_config",
+    "adapter_tensors",
+    "engine_max_rank",
+    "merge_adapter",
+    "merge_run",
+    "merged_weights",
+    "wrap_model",
+    "write_adapter_dir",
+]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (0.26 and 0.32)
+
+
+def engine_max_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts that holds ``rank``.
+
+    >>> engine_max_rank(4), engine_max_rank(16), engine_max_rank(17)
+    (8, 16, 32)
+    """
+    for allowed in _VLLM_RANKS:
+        if rank <= allowed:
+            return allowed
+    raise ValueError(f"learner.lora.rank: {rank} exceeds vLLM's largest max_lora_rank ({_VLLM_RANKS[-1]})")
+
+
+def _peft_config(cfg: "LoRAConfig", base_path: str | Path | None = None):
+    from peft import LoraConfig
+
+    config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
+                        target_modules=list(cfg.target_modules), bias="none", task_type="CAUSAL_LM")
+    if base_path is not None:
+        config.base_model_name_or_path = str(Path(base_path).resolve())
+    return config
+
+
+def adapter_config(cfg: "LoRAConfig", base_path: str | Path | None = None) -> dict[str, Any]:
+    """The ``adapter_config.json`` of an adapter made under ``cfg`` (what PEFT itself writes)."""
+    config = _peft_config(cfg, base_path).to_dict()
+    return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
+
+
+def wrap_model(model: "torch.nn.Module", cfg: "LoRAConfig", base_path: str | Path | None = None):
+    """``model`` as a PEFT model with fresh adapters (B = 0: the same outputs as the base); only the
+    adapters train. The adapters take the base's dtype (a bf16 base keeps bf16 adapters, as vLLM
+    serves them)."""
+    from peft import get_peft_model
+
+    return get_peft_model(model, _peft_config(cfg, base_path), autocast_adapter_dtype=False)
+
+
+def adapter_tensors(peft_model: Any, *, device: "str | torch.device | None" = "cpu",
+                    dtype: "torch.dtype | None" = None) -> dict[str, "torch.Tensor"]:
+    """The adapter's tensors under PEFT's saved names (what vLLM's LoRA loader reads): copies on
+    ``device`` (``None``: the learner's own tensors, detached, for a GPU refit's flat buffer)."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(peft_model)
+    out = {}
+    for name, tensor in state.items():
+        t = tensor.detach()
+        if dtype is not None:
+            t = t.to(dtype)
+        out[name] = t if device is None else t.to(device, copy=True)
+    return out
+
+
+def merged_weights(peft_model: Any, *, device: "str | torch.device" = "cpu") -> dict[str, "torch.Tensor"]:
+    """The base's Hugging Face-named weights with each adapter's ``scale * B @ A`` added (the model
+    is left unmerged)."""
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    deltas = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer) and module.active_adapters:
+            deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in module.active_adapters
+                                                      if a in module.lora_A)
+    out = {}
+    for name, tensor in base.state_dict().items():
+        if ".lora_" in name:
+            continue
+        t = tensor.detach()
+        if name in deltas:
+            t = t + deltas[name].to(t.dtype)
+        out[name.replace(".base_layer.", ".")] = t.to(device, copy=True)
+    return out
+
+
+def write_adapter_dir(path: str | Path, tensors: dict[str, "torch.Tensor"], config: dict[str, Any]) -> Path:
+    """Write an adapter directory (weights, then config: a reader that sees the config sees both)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path / ADAPTER_WEIGHTS))
+    (path / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
+    return path
+
+
+def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, *, base: str | Path | None = None,
+                  dtype: str = "float32") -> Path:
+    """Write base + adapter as one Hugging Face model (``merge_and_unload``), with the base's
+    tokenizer files, loadable by transformers and vLLM.
+
+    Args:
+        adapter_dir: An adapter directory (a checkpoint's ``learner/adapter``).
+        out_dir: Where the merged model goes.
+        base: The base model directory (default: the adapter config's ``base_model_name_or_path``).
+        dtype: Weight dtype of the merge and of the written model.
+    """
+    from peft import PeftModel
+
+    from agentrl.models import copy_tokenizer_files, is_model_dir, load_hf_model
+
+    adapter_dir = Path(adapter_dir)
+    if not (adapter_dir / ADAPTER_CONFIG).is_file() or not (adapter_dir / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"{adapter_dir} is not a LoRA adapter directory (needs {ADAPTER_CONFIG} "
+                                f"and {ADAPTER_WEIGHTS})")
+    base = Path(base or json.loads((adapter_dir / ADAPTER_CONFIG).read_text()).get("base_model_name_or_path") or "")
+    if not is_model_dir(base):
+        raise FileNotFoundError(f"the adapter's base model '{base}' is not a Hugging Face model directory; "
+                                "pass the base explicitly (agentrl export ... --base DIR)")
+    model = PeftModel.from_pretrained(load_hf_model(base, dtype), str(adapter_dir))
+    merged = model.merge_and_unload()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(out_dir, safe_serialization=True)
+    copy_tokenizer_files(base, out_dir)
+    return out_dir
+
+
+def merge_run(run_dir: str | Path, out_dir: str | Path, *, checkpoint: str | None = None,
+              base: str | Path | None = None) -> Path:
+    """:func:`merge_adapter` of a run's checkpoint (default: the latest) of a ``learner.lora`` run."""
+    from agentrl.config import Config, ConfigError
+
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.json").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run directory (no config.json)")
+    cfg = Config.model_validate_json((run_dir / "config.json").read_text())
+    if not cfg.learner.lora.enabled:
+        raise ConfigError(f"{run_dir}: learner.lora is off in this run (full fine-tuning): its checkpoints' "
+                          "learner/model is already a Hugging Face model")
+    ckpt_dir = Path(cfg.train.checkpoint_dir or run_dir / "checkpoints")
+    if checkpoint is None:
+        latest = ckpt_dir / "latest"
+        if not latest.is_file():
+            raise FileNotFoundError(f"no checkpoint in {ckpt_dir}")
+        checkpoint = latest.read_text().strip()
+    return merge_adapter(ckpt_dir / checkpoint / "learner" / "adapter", out_dir, base=base, dtype=cfg.model.dtype)

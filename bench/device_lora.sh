@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# LoRA on the GPU machine (issue 31): bench/lora.py in two calls of < 9 min. First the three-call
+# carry of vLLM and Ray into /tmp/site (../shared/device/vllm/README.md); the third call also
+# carries .peers/lora (the PEFT wheel: python3 -m pip download peft==0.21.2 --no-deps -d .peers/lora)
+# and runs the first half. From the repo root:
+#   bash bench/device_lora.sh install a   # carry [".carry/c3", ".peers/lora"], after the c3 install:
+#                                         # PEFT into /tmp/site; refit seconds/MB at 1.5B and 7B
+#                                         # (full vs adapter), the largest shape that trains, and
+#                                         # engine-vs-learner logprobs with an adapter at 1.5B
+#   bash bench/device_lora.sh b           # trajectories/s of the GPU loop with the torch learner,
+#                                         # LoRA vs full fine-tuning, at 1.5B
+#   bash bench/device_lora.sh tests       # the CPU LoRA tests on the GPU's engine (optional)
+# Everything lands in $OUT (lora_a.json, lora_b.json, logs). A_ARGS / B_ARGS: extra bench options.
+set -o pipefail
+[ -d /tmp/site/vllm ] || { echo "device_lora: /tmp/site/vllm is missing: run the three carry calls first"; exit 3; }
+[ -e agentrl/envs ] || ln -s ../envs agentrl/envs
+[ -e agentrl/actors ] || ln -s ../actors agentrl/actors
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+rc=0
+for step in "$@"; do
+  case $step in
+    install)
+      # The device image has peft 0.21.0 (../shared/device/image-pip-freeze.txt); the carried wheel
+      # pins the version the CPU tests ran (0.21.2) and wins on PYTHONPATH.
+      if ls .peers/lora/*.whl >/dev/null 2>&1; then
+        python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .peers/lora/*.whl 2>&1 | tail -2
+      else
+        echo "device_lora: no .peers/lora wheel carried: using the image's peft"
+      fi
+      python3 -c "import torch, vllm, peft; print('torch', torch.__version__, 'vllm', vllm.__version__, 'peft', peft.__version__)" || rc=1 ;;
+    a) timeout -k 20 "${A_TIMEOUT:-500}" python3 bench/lora.py --parts refit,fit,agreement --out "$OUT/lora_a.json" ${A_ARGS:-} 2>&1 \
+         | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/lora_a.log" || rc=1 ;;
+    b) timeout -k 20 "${B_TIMEOUT:-510}" python3 bench/lora.py --parts e2e --out "$OUT/lora_b.json" ${B_ARGS:-} 2>&1 \
+         | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/lora_b.log" || rc=1 ;;
+    tests) timeout -k 20 "${T_TIMEOUT:-400}" python3 -m pytest -q -x -s -p no:cacheprovider tests/test_lora.py 2>&1 \
+         | grep -v "Warning\|warn(" | tee "$OUT/lora_tests.log" || rc=1 ;;
+    *) echo "device_lora: unknown step '$step' (install | a | b | tests)"; rc=2 ;;
+  esac
+  # anything a killed run left on the GPU would skew the next part (bracketed: never this script)
+  for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done
+done
+exit $rc
