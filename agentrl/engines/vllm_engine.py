@@ -13,10 +13,10 @@ import contextlib
 import itertools
 import os
 import tempfile
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -285,8 +285,10 @@ class VLLMEngine:
         is woken afterwards. Returns seconds spent paused.
 
         With LoRA (``lora``) ``weights`` holds the adapter's tensors only (PEFT names), by any
-        transport; they are written as an adapter directory on the engine's host (/dev/shm) and
-        loaded in place into the policy's adapter slot."""
+        transport. The first adapter, and every one sent through the object store, is written as
+        an adapter directory on the engine's host (/dev/shm) and loaded in place into the policy's
+        adapter slot; later CUDA IPC and NCCL refits replace the resident adapter straight from
+        the received tensors, with no file."""
         if self.lora is not None:
             return await self._update_adapter(weights, version, mode)
         loop = asyncio.get_running_loop()
@@ -332,9 +334,20 @@ class VLLMEngine:
         from agentrl.lora import ADAPTER_CONFIG, adapter_config, write_adapter_dir
 
         loop = asyncio.get_running_loop()
-        path = _shm_dir() / f"adapter-v{version}"
         config = adapter_config(self.lora, self.model_path)
         t0 = loop.time()
+        if self.lora_request is not None and not isinstance(weights, dict):
+            # The adapter is resident (one id, max_loras = max_cpu_loras = 1, so vLLM never evicts
+            # it and never rereads its directory): the worker builds the new adapter from the
+            # received tensors and replaces it in place, with no file in between.
+            if weights.transport == "cuda_ipc":
+                method, args = "agentrl_swap_adapter", (weights.handle, weights.spec, json.dumps(config), self.LORA_ID)
+            else:
+                method, args = "agentrl_receive_swap_adapter", (weights.spec, json.dumps(config), self.LORA_ID)
+            await self._pause_and(lambda: self.llm.collective_rpc(method, args=args), mode)
+            self.version = version
+            return loop.time() - t0
+        path = _shm_dir() / f"adapter-v{version}"
         if isinstance(weights, dict):
             await loop.run_in_executor(None, write_adapter_dir, path, weights, config)
         else:  # the worker writes the tensors it received (CUDA IPC views or the broadcast buffer)
@@ -346,18 +359,7 @@ class VLLMEngine:
         inplace = LoRARequest("agentrl-policy", self.LORA_ID, str(path), load_inplace=True)
         old_dir, self._adapter_dir = self._adapter_dir, path
         try:
-            if self.sleeping:
-                await self.llm.wake_up()
-                self.sleeping = False
-                await self.llm.add_lora(inplace)
-                await self.llm.reset_prefix_cache()
-            else:
-                await self.llm.pause_generation(mode="wait" if mode == "drain" else "keep", clear_cache=False)
-                try:
-                    await self.llm.add_lora(inplace)
-                    await self.llm.reset_prefix_cache()  # cached prefixes hold KV of the old adapter
-                finally:
-                    await self.llm.resume_generation()
+            await self._pause_and(lambda: self.llm.add_lora(inplace), mode)
             self.lora_request, self.version = new, version
         finally:
             if old_dir is not None and old_dir != path:
@@ -365,6 +367,22 @@ class VLLMEngine:
 
                 shutil.rmtree(old_dir, ignore_errors=True)
         return loop.time() - t0
+
+    async def _pause_and(self, load: Callable[[], Awaitable[Any]], mode: Literal["drain", "continue"]) -> None:
+        # Load an adapter with nothing generating: woken fully if asleep (level 1 keeps the
+        # adapter's slots), else paused; cached prefixes hold KV of the old adapter.
+        if self.sleeping:
+            await self.llm.wake_up()
+            self.sleeping = False
+            await load()
+            await self.llm.reset_prefix_cache()
+            return
+        await self.llm.pause_generation(mode="wait" if mode == "drain" else "keep", clear_cache=False)
+        try:
+            await load()
+            await self.llm.reset_prefix_cache()
+        finally:
+            await self.llm.resume_generation()
 
     async def _stage_file(self, weights: "dict[str, torch.Tensor]", version: int) -> Path:
         from safetensors.torch import save_file
