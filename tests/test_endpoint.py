@@ -283,6 +283,44 @@ def test_prompt_over_the_budget_and_turn_limit(tiny_model_dir):
         server.close()
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_model_call_and_sampled_token_budgets_hold_for_plain_and_streamed_requests(tiny_model_dir, stream):
+    """rollout.max_episode_tokens caps what the engine may sample over the episode (the turn that
+    reaches it is cut there) and rollout.max_model_calls the completions; past either a request
+    gets a 400 with its own code, the engine is not called, and the episode is marked truncated."""
+    from transformers import AutoTokenizer
+
+    from tests.endpoint_helpers import StreamingSampler
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    sampler = StreamingSampler(renderer, kinds=("cut",))  # every turn samples all the tokens it may
+    server = ServerThread()
+    endpoint = make_endpoint(renderer, sampler, ["rollout.max_new_tokens=10", "rollout.max_episode_tokens=25"])
+    body = {**GOOD, "stream": stream}
+    try:
+        server.run(endpoint.start())
+        ep = endpoint.open_episode("tokens", temperature=1.0)
+        for _ in range(2):
+            assert _raw(endpoint, ep.api_key, body).status_code == 200
+        assert ep.truncated_by is None
+        r = _raw(endpoint, ep.api_key, body)
+        assert r.status_code == 200 and (stream or r.json()["choices"][0]["finish_reason"] == "length")
+        assert [len(c.token_ids) for c in sampler.calls["tokens"]] == [10, 10, 5]
+        assert ep.num_sampled == 25 and ep.truncated_by == "sampled_tokens"
+        r = _raw(endpoint, ep.api_key, body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "token_budget_exceeded", r.text
+        assert "rollout.max_episode_tokens" in r.json()["error"]["message"] and len(sampler.calls["tokens"]) == 3
+        endpoint.rollout.max_model_calls, endpoint.rollout.max_episode_tokens = 2, None
+        ep2 = endpoint.open_episode("calls", temperature=1.0)
+        assert [_raw(endpoint, ep2.api_key, body).status_code for _ in range(2)] == [200, 200]
+        r = _raw(endpoint, ep2.api_key, body)
+        assert r.status_code == 400 and r.json()["error"]["code"] == "model_call_budget_exceeded", r.text
+        assert ep2.truncated_by == "model_calls" and len(sampler.calls["calls"]) == 2
+    finally:
+        server.run(endpoint.stop())
+        server.close()
+
+
 @settings(deadline=None)
 @given(ids=st.lists(st.integers(0, 4), max_size=14), stops=st.lists(st.text("abcde", min_size=1, max_size=3), max_size=3))
 def test_cut_at_stop_finds_the_first_token_that_completes_a_stop_string(ids, stops):
@@ -432,6 +470,7 @@ def test_a_client_that_leaves_mid_stream_aborts_the_turn(streaming):
         sampler.gate.set()
         server.run(asyncio_sleep(0.3))
         assert sampler.aborted == ["leave"] and not ep.recorder.segments
+        assert ep.num_sampled >= 1  # what was sampled counts against rollout.max_episode_tokens
         sampler.gate = None
         assert _raw(endpoint, ep.api_key, GOOD).status_code == 200
         assert len(ep.recorder.segments) == 1
