@@ -157,7 +157,9 @@ class Trainer:
         if co.enabled:
             # vLLM sizes its KV cache from the memory it sees at start: engines first, then the
             # learner (while sleeping engines hold only their CUDA context), then the engines wake.
+            t_engines = time.perf_counter()
             ray.get([e.start.remote() for e in self.engines])
+            self.engine_start_s = time.perf_counter() - t_engines  # a restart's grace (else watchdog.first_s)
             if self.sleeping_engines:
                 ray.get([e.sleep.remote(1) for e in self.engines])
             self.learner = LearnerGroup(cfg, self.model_path, placement=(self.placement, self.placement_group))
