@@ -489,13 +489,19 @@ class Trainer:
         return time.perf_counter() - t0
 
     def _wake_failure(self, exc: Exception, mem: dict[str, float]) -> Exception:
-        """A colocated engine that cannot wake for lack of GPU memory: say what holds it and what to change."""
-        if "out of memory" not in str(exc).lower():
+        """A colocated engine that cannot wake for lack of GPU memory: say what holds it and what to change.
+        The watchdog's own stops (RunStopped: its report, exit status 3) pass through as they are,
+        whatever their report quotes; so does any other failure."""
+        text = str(exc).lower()
+        # vLLM's start-up check: an engine restarted (by Ray) while the learner holds its memory
+        restarted = "less than desired gpu memory utilization" in text or "less than the engine's budget" in text
+        if isinstance(exc, RunStopped) or not ("out of memory" in text or restarted):
             return exc
         share = self.cfg.engine.gpu_memory_utilization
         held = mem.get("reserved_gib")
+        what = "a restarted engine could not start" if restarted else "a sleeping engine could not wake"
         return RuntimeError(
-            f"a sleeping engine could not wake: out of GPU memory. It asks for engine.gpu_memory_utilization={share} "
+            f"{what}: out of GPU memory. It asks for engine.gpu_memory_utilization={share} "
             f"of the GPU while the learner still holds {'?' if held is None else f'{held:.1f}'} GiB (its weights, "
             "optimizer state and refit buffer stay resident while the engine sleeps). Lower "
             "engine.gpu_memory_utilization to what the KV cache needs, or shrink the learner "

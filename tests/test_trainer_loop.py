@@ -237,3 +237,14 @@ def test_a_colocated_engine_that_cannot_wake_gets_a_diagnosis() -> None:
     assert "activation_checkpointing" in str(err)
     other = ValueError("engine died")
     assert Trainer._wake_failure(me, other, {}) is other
+    # an engine Ray restarted while the learner holds the GPU fails vLLM's start-up check instead
+    start = ValueError("Free memory on device cuda:0 (20.1/79.2 GiB) on startup is less than desired GPU memory "
+                       "utilization (0.5, 39.6 GiB). Decrease GPU memory utilization or reduce GPU memory used by "
+                       "other processes.")
+    err = Trainer._wake_failure(me, start, {"reserved_gib": 31.5})
+    assert isinstance(err, RuntimeError) and "a restarted engine could not start" in str(err) and "31.5 GiB" in str(err)
+    # the watchdog's stop keeps its report and its exit status (3), whatever stacks it quotes
+    from agentrl.watchdog import RunStalled
+
+    stalled = RunStalled("waiting for engine0.wake_up ... stacks: _alloc (torch out of memory handler)")
+    assert Trainer._wake_failure(me, stalled, {"reserved_gib": 31.5}) is stalled
