@@ -108,7 +108,6 @@ class Trainer:
         from agentrl.actors.engine import EngineActor
         from agentrl.actors.learner import LearnerGroup
         from agentrl.actors.replay import ReplayActor
-        from agentrl.actors.rollout import RolloutActor
 
         cfg = self.cfg
         if not ray.is_initialized():
