@@ -180,7 +180,8 @@ class RepoFixEnv(CodingEnv):
         num_hidden: hidden test cases per task.
         max_turns: steps before truncation (the tree is graded either way).
         limits: the workspace's limits; defaults suit small packages.
-        **kwargs: ``max_tool_calls_per_turn``, ``max_tool_output_chars``, ``tool_parser``.
+        **kwargs: ``tools`` (the tools offered: a subset of the five, see ``CodingEnv``),
+            ``max_tool_calls_per_turn``, ``max_tool_output_chars``, ``tool_parser``.
     """
 
     def __init__(self, *, family: str | None = None, num_hidden: int = 8, max_turns: int = 12,
@@ -203,9 +204,11 @@ class RepoFixEnv(CodingEnv):
     def new_repo(self, rng: random.Random, options: dict[str, Any]) -> tuple[bytes, list[Message]]:
         self.task = make_task(rng, self.family, self.num_hidden)
         t = self.task
-        system = ("You are a coding agent working in a repository at /workspace, with the tools bash, read_file, "
-                  "write_file, str_replace and list_dir. When you are done, reply with a short summary and no "
-                  "tool call; that ends the episode.")
+        names = list(self.tools)
+        offered = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+        system = (f"You are a coding agent working in a repository at /workspace, with the "
+                  f"tool{'s' if len(names) > 1 else ''} {offered}. When you are done, reply with a short summary "
+                  "and no tool call; that ends the episode.")
         user = (f"The package `{t.package}` has a bug: the test `test_{t.bugged.name}` in "
                 f"tests/test_{t.bugged.module}.py fails. Find the bug in the package and fix it (do not edit the "
                 f"tests). Run the tests with `{TEST_COMMAND}`.")
@@ -253,6 +256,11 @@ def expert(seed: int, *, env_kwargs: dict[str, Any] | None = None, tool_parser: 
     """
     if steps not in ("full", "fix"):
         raise ValueError(f"expert: steps must be 'full' or 'fix', got {steps!r}")
+    offered = (env_kwargs or {}).get("tools")
+    needed = {"str_replace"} | ({"bash", "read_file"} if steps == "full" else set())
+    if offered is not None and not needed <= set(offered):
+        raise ValueError(f"expert: steps={steps!r} uses the tools {', '.join(sorted(needed))}, but the env offers "
+                         f"only {', '.join(offered)} (env.kwargs.tools)")
     task = task_of_seed(seed, **(env_kwargs or {}))
     if random.Random(f"expert:{seed}:{rng_seed}").random() < give_up_prob:
         return ["I could not find the bug."]
