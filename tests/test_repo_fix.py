@@ -69,7 +69,25 @@ def test_a_return_true_fix_earns_nothing():
     env.close()
 
 
+def test_function_kwarg_narrows_the_task_to_one_function():
+    kwargs = {"family": "off_by_one", "function": "sum_to"}
+    tasks = [task_of_seed(s, **kwargs) for s in range(40)]
+    assert {t.bugged.name for t in tasks} == {"sum_to"} and len({t.package for t in tasks}) > 4
+    assert {t.bugged.name for t in (task_of_seed(s, function="clamp") for s in range(5))} == {"clamp"}
+    env = gymnasium.make("agentrl/RepoFix-v0", max_turns=2, **kwargs)
+    messages, _ = env.reset(seed=7)
+    assert "test_sum_to" in messages[1]["content"]
+    for action in expert(7, env_kwargs=kwargs, steps="fix"):
+        _, reward, terminated, _, _ = env.step(action)
+    assert terminated and reward == 1.0
+    env.close()
+
+
 def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="did you mean 'sum_to'"):
+        RepoFixEnv(function="sum_too")
+    with pytest.raises(ValueError, match="family 'operator', not 'off_by_one'"):
+        RepoFixEnv(family="off_by_one", function="average")
     with pytest.raises(ValueError, match="did you mean 'off_by_one'"):
         RepoFixEnv(family="off_by_on")
     with pytest.raises(ValueError, match="num_hidden"):
@@ -134,8 +152,9 @@ def test_repofix_cpu_recipe_and_its_probe_see_what_reset_gives():
     cfg = load_config(root / "configs" / "repofix_cpu.yaml")
     kwargs = cfg.env.kwargs
     assert kwargs["family"] in BUG_FAMILIES and kwargs["max_turns"] == cfg.rollout.max_turns == 2
-    assert set(kwargs["tools"]) >= {"str_replace"} and cfg.sft.expert_kwargs == {"steps": "fix", "give_up_prob": 0.6}
-    assert cfg.model.tiny.induction_steps >= 1000 and cfg.sft.output_dir != ".cache/sft-model"
+    assert task_of_seed(0, **kwargs).bugged.name == kwargs["function"]
+    assert set(kwargs["tools"]) >= {"str_replace"} and cfg.sft.expert_kwargs == {"steps": "fix", "give_up_prob": 0.5}
+    assert cfg.sft.output_dir != ".cache/sft-model" and cfg.train.time_limit_s
     check_env(cfg.env.id, kwargs, need_expert=True)
     spec = importlib.util.spec_from_file_location("repofix_probe", root / "tools" / "repofix_probe.py")
     probe = importlib.util.module_from_spec(spec)
