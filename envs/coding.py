@@ -18,6 +18,7 @@ Knows nothing of Ray or vLLM.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from typing import Any
 
 from agentrl.envs.base import Message, ToolEnv, Turn
@@ -33,13 +34,28 @@ class CodingEnv(ToolEnv):
     Args:
         limits: the workspace's limits (per call and per episode).
         max_turns: steps before truncation (the tree is still graded).
+        tools: the names of the tools the task offers, a subset of ``bash``, ``read_file``,
+            ``write_file``, ``str_replace`` and ``list_dir`` (None: all five). Fewer tools make a shorter
+            prompt (each schema is rendered into it); a call of a tool not offered gets an error.
         **kwargs: ``max_tool_calls_per_turn``, ``max_tool_output_chars``, ``tool_parser``.
     """
 
-    def __init__(self, *, limits: WorkspaceLimits | None = None, max_turns: int = 16, **kwargs: Any) -> None:
+    def __init__(self, *, limits: WorkspaceLimits | None = None, max_turns: int = 16,
+                 tools: Sequence[str] | None = None, **kwargs: Any) -> None:
         self.limits = limits or WorkspaceLimits()
         kwargs.setdefault("tool_timeout_s", self.limits.call_timeout_s + 10.0)
         super().__init__(max_turns=max_turns, **kwargs)
+        if tools is not None:
+            if isinstance(tools, str) or not tools:
+                raise ValueError(f"tools: a non-empty list of tool names, got {tools!r}")
+            for name in tools:
+                if name not in self.tools:
+                    import difflib
+
+                    close = difflib.get_close_matches(str(name), list(self.tools), n=1)
+                    hint = f" (did you mean {close[0]!r}?)" if close else ""
+                    raise ValueError(f"tools: unknown tool {name!r}{hint}; expected some of {', '.join(self.tools)}")
+            self.tools = {name: fn for name, fn in self.tools.items() if name in set(tools)}
         self.workspace: Workspace | None = None
         self.last_grading_note = ""
 

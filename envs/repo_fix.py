@@ -120,10 +120,11 @@ class Task:
     num_differing: int
 
 
-def make_task(rng: random.Random, family: str | None = None, num_hidden: int = 8) -> Task:
+def make_task(rng: random.Random, family: str | None = None, num_hidden: int = 8,
+              function: str | None = None) -> Task:
     """The package, its bug and the hidden cases of one seed (see the module docstring)."""
     package = rng.choice(PACKAGES)
-    pool = [f for f in FUNCTIONS if family is None or f.family == family]
+    pool = [f for f in FUNCTIONS if (family is None or f.family == family) and (function is None or f.name == function)]
     bugged = rng.choice(pool)
     right, wrong = _load(bugged.source, bugged.name), _load(bugged.source.replace(bugged.correct, bugged.buggy),
                                                                  bugged.name)
@@ -177,14 +178,17 @@ class RepoFixEnv(CodingEnv):
 
     Args:
         family: restrict bugs to one of ``BUG_FAMILIES`` (None: any).
+        function: restrict bugs to one function of ``FUNCTIONS`` by name, e.g. ``"sum_to"`` (None: any of
+            the family's); the narrowest task: only the package differs between seeds.
         num_hidden: hidden test cases per task.
         max_turns: steps before truncation (the tree is graded either way).
         limits: the workspace's limits; defaults suit small packages.
-        **kwargs: ``max_tool_calls_per_turn``, ``max_tool_output_chars``, ``tool_parser``.
+        **kwargs: ``tools`` (the tools offered: a subset of the five, see ``CodingEnv``),
+            ``max_tool_calls_per_turn``, ``max_tool_output_chars``, ``tool_parser``.
     """
 
     def __init__(self, *, family: str | None = None, num_hidden: int = 8, max_turns: int = 12,
-                 limits: WorkspaceLimits | None = None, **kwargs: Any) -> None:
+                 function: str | None = None, limits: WorkspaceLimits | None = None, **kwargs: Any) -> None:
         if family is not None and family not in BUG_FAMILIES:
             import difflib
 
@@ -192,20 +196,32 @@ class RepoFixEnv(CodingEnv):
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ValueError(f"env.kwargs.family: unknown bug family {family!r}{hint}; expected one of "
                              f"{', '.join(BUG_FAMILIES)} or None")
+        names = [f.name for f in FUNCTIONS]
+        if function is not None and function not in names:
+            import difflib
+
+            close = difflib.get_close_matches(str(function), names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ValueError(f"env.kwargs.function: unknown function {function!r}{hint}; expected one of {', '.join(names)}")
+        if function is not None and family is not None and FUNCTIONS[names.index(function)].family != family:
+            raise ValueError(f"env.kwargs.function: {function!r}'s bug is of the family "
+                             f"{FUNCTIONS[names.index(function)].family!r}, not {family!r}")
         if num_hidden < 1:
             raise ValueError(f"env.kwargs.num_hidden must be >= 1, got {num_hidden}")
         limits = limits or WorkspaceLimits(call_timeout_s=10.0, max_disk_bytes=16 << 20, max_processes=16,
                                            memory_mb=512)
         super().__init__(limits=limits, max_turns=max_turns, **kwargs)
-        self.family, self.num_hidden = family, num_hidden
+        self.family, self.num_hidden, self.function = family, num_hidden, function
         self.task: Task | None = None
 
     def new_repo(self, rng: random.Random, options: dict[str, Any]) -> tuple[bytes, list[Message]]:
-        self.task = make_task(rng, self.family, self.num_hidden)
+        self.task = make_task(rng, self.family, self.num_hidden, self.function)
         t = self.task
-        system = ("You are a coding agent working in a repository at /workspace, with the tools bash, read_file, "
-                  "write_file, str_replace and list_dir. When you are done, reply with a short summary and no "
-                  "tool call; that ends the episode.")
+        names = list(self.tools)
+        offered = ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+        system = (f"You are a coding agent working in a repository at /workspace, with the "
+                  f"tool{'s' if len(names) > 1 else ''} {offered}. When you are done, reply with a short summary "
+                  "and no tool call; that ends the episode.")
         user = (f"The package `{t.package}` has a bug: the test `test_{t.bugged.name}` in "
                 f"tests/test_{t.bugged.module}.py fails. Find the bug in the package and fix it (do not edit the "
                 f"tests). Run the tests with `{TEST_COMMAND}`.")
@@ -232,10 +248,11 @@ class RepoFixEnv(CodingEnv):
         return passed / task.num_differing if kept else 0.0
 
 
-def task_of_seed(seed: int, *, family: str | None = None, num_hidden: int = 8, **_: Any) -> Task:
+def task_of_seed(seed: int, *, family: str | None = None, num_hidden: int = 8, function: str | None = None,
+                 **_: Any) -> Task:
     """The task ``reset(seed=seed)`` draws, without starting a workspace (as ``TextEnv.reset`` seeds it)."""
     np_random, _ = seeding.np_random(seed)
-    return make_task(random.Random(int(np_random.integers(1 << 62))), family, num_hidden)
+    return make_task(random.Random(int(np_random.integers(1 << 62))), family, num_hidden, function)
 
 
 def expert(seed: int, *, env_kwargs: dict[str, Any] | None = None, tool_parser: str = "hermes",
@@ -253,6 +270,11 @@ def expert(seed: int, *, env_kwargs: dict[str, Any] | None = None, tool_parser: 
     """
     if steps not in ("full", "fix"):
         raise ValueError(f"expert: steps must be 'full' or 'fix', got {steps!r}")
+    offered = (env_kwargs or {}).get("tools")
+    needed = {"str_replace"} | ({"bash", "read_file"} if steps == "full" else set())
+    if offered is not None and not needed <= set(offered):
+        raise ValueError(f"expert: steps={steps!r} uses the tools {', '.join(sorted(needed))}, but the env offers "
+                         f"only {', '.join(offered)} (env.kwargs.tools)")
     task = task_of_seed(seed, **(env_kwargs or {}))
     if random.Random(f"expert:{seed}:{rng_seed}").random() < give_up_prob:
         return ["I could not find the bug."]
