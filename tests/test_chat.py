@@ -89,3 +89,28 @@ def test_render_cache_returns_what_a_fresh_render_does(tiny_model_dir):
     for obs in ([{"role": "tool", "content": "5"}], [{"role": "tool", "content": "6"}], [{"role": "tool", "content": "5"}]):
         assert r.observation_delta_ids(obs) == fresh._delta_ids(obs)
     assert len(r._rendered) == 6  # 4 prompts, 2 deltas (the third delta was a hit)
+
+
+def test_malformed_calls_log_nothing_after_vllm_reconfigures_logging():
+    """vLLM re-applies its logging config when an engine starts in the process (the bench, a
+    colocated engine), which resets the level of every vllm.* logger: the parser's traceback per
+    malformed call must stay silent anyway (it cost ~0.3 ms per reply on the endpoint)."""
+    import logging
+
+    from vllm.logger import _configure_vllm_root_logger
+    from vllm.tool_parsers import ToolParserManager
+
+    from agentrl.tool_calls import ToolCallParser
+
+    parser = ToolCallParser("hermes")
+    _configure_vllm_root_logger()  # what an engine starting in this process does
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    log = logging.getLogger(ToolParserManager.get_tool_parser("hermes").__module__)
+    log.addHandler(handler)
+    try:
+        assert parser.parse('<tool_call>\n{"name": "f", "arguments": {"x": "unterminated</tool_call>').errors
+    finally:
+        log.removeHandler(handler)
+    assert seen == []
