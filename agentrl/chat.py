@@ -31,6 +31,7 @@ __all__ = [
 ]
 
 _PLACEHOLDER = "\u2063agentrl-placeholder\u2063"
+_CACHE_SIZE = 256  # rendered prompts and deltas kept (a GRPO group's episodes share their first prompt)
 
 
 def _generation_eos_ids(tokenizer: Any) -> list[int]:
@@ -63,6 +64,22 @@ class ChatRenderer:
         self.end_of_turn_id: int = tokenizer.convert_tokens_to_ids(self.end_of_turn)
         self.stop_token_ids: frozenset[int] = frozenset(
             i for i in (self.end_of_turn_id, self.eos_token_id, *_generation_eos_ids(tokenizer)) if i is not None)
+        # Rendering is a pure function of the messages and tools (jinja, then the tokenizer: 0.3-0.7 ms
+        # for a 100-token prompt on CPU), and the episodes of a group start from the same prompt.
+        self._rendered: dict[str, tuple[int, ...]] = {}
+
+    def _cached(self, kind: str, messages: list[dict], tools: list[dict] | None, render: Any) -> list[int]:
+        try:
+            key = json.dumps([kind, messages, tools], ensure_ascii=False)
+        except (TypeError, ValueError):  # not JSON (an env's own objects): rendered every time
+            return render()
+        ids = self._rendered.get(key)
+        if ids is None:
+            ids = tuple(render())
+            if len(self._rendered) >= _CACHE_SIZE:
+                self._rendered.clear()
+            self._rendered[key] = ids
+        return list(ids)
 
     def _template(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(
@@ -86,11 +103,15 @@ class ChatRenderer:
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         """Token ids of the initial messages plus the generation prompt."""
-        return self.encode(self._template(messages, tools, add_generation_prompt=True))
+        return self._cached("prompt", messages, tools,
+                            lambda: self.encode(self._template(messages, tools, add_generation_prompt=True)))
 
     def observation_delta_ids(self, messages: list[dict]) -> list[int]:
         """Token ids that follow an assistant turn's end-of-turn token: the observation messages
         and the next generation prompt, as the chat template renders them after an assistant turn."""
+        return self._cached("delta", messages, None, lambda: self._delta_ids(messages))
+
+    def _delta_ids(self, messages: list[dict]) -> list[int]:
         prefix = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PLACEHOLDER}]
         full = self._template(prefix + list(messages), None, add_generation_prompt=True)
         at = full.find(_PLACEHOLDER) + len(_PLACEHOLDER)

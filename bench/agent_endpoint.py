@@ -58,20 +58,59 @@ def nagle_on(endpoint, peer) -> int:
     return n
 
 
-ROWS = ("direct", "httpx", "sdk", "sdk_new", "nagle")
+ROWS = ("direct", "echo", "httpx", "httpx_cold", "sdk", "sdk_new", "nagle")
 LABELS = {
     "direct": "direct engine call (token ids in and out)",
+    "echo": "floor: the direct call inside a bare uvicorn ASGI app, raw httpx",
     "httpx": "endpoint, raw httpx, kept-alive connection",
+    "httpx_cold": "endpoint, raw httpx, kept-alive, prompt not in the render cache",
     "sdk": "endpoint, openai SDK (AsyncOpenAI), kept-alive connection",
     "sdk_new": "endpoint, openai SDK, a new client (connection) per request",
     "nagle": "before: endpoint, raw httpx, kept-alive, Nagle on (no TCP_NODELAY)",
 }
 
 
+async def bare_echo(engine, ids) -> tuple[str, object]:
+    """The floor of any HTTP endpoint here: a bare ASGI app on uvicorn (same socket options as the
+    endpoint) that reads the body, makes the direct engine call on ``ids`` and answers a fixed
+    small JSON object: HTTP parsing, the event loop hops and the loopback, no endpoint logic."""
+    import contextlib
+    import socket
+
+    import uvicorn
+
+    class Quiet(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            yield
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        more = True
+        while more:
+            more = (await receive()).get("more_body", False)
+        out = await engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0)
+        body = b'{"usage": {"completion_tokens": %d}}' % len(out.token_ids)
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = Quiet(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", proxy_headers=False))
+    task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+    while not server.started:
+        await asyncio.sleep(0.01)
+    return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", (server, task)
+
+
 async def round_trips(endpoint, engine, renderer, n: int) -> dict:
     """The same greedy request made ``n`` times (after 10 warm-ups) each way, interleaved. Every
-    endpoint request renders its prompt from scratch (a new segment, as an agent's first call);
-    the kept-alive clients reuse one connection, as an agent's client does across its calls."""
+    endpoint request is a new segment (an agent's first call), whose prompt the renderer has
+    cached from the untimed request before it (as a GRPO group's episodes share their first
+    prompt), except in the "cold" row, where the cache is emptied first; the kept-alive clients
+    reuse one connection, as an agent's client does across its calls."""
     import httpx
     import openai
 
@@ -95,7 +134,7 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
             cpu[row].append(c1 - c0)
         return out
 
-    async def via_endpoint(row, k, call, *, after_another=True):
+    async def via_endpoint(row, k, call, *, after_another=True, cold=False):
         """One timed request of a new episode; on a kept-alive connection, right after an untimed
         one on the same connection (as an agent's next call follows its last): that is when a
         response's writes can wait on the client's delayed ACK (the "before" row)."""
@@ -103,17 +142,24 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
         try:
             if after_another:
                 await call(ep)
+            if cold:
+                endpoint.renderer._rendered.clear()
             return await timed(row, k, lambda: call(ep))
         finally:
             endpoint.close_episode(ep)
 
+    echo_url, (echo, echo_task) = await bare_echo(engine, ids)
     sdk = openai.AsyncOpenAI(base_url="http://unused/v1", api_key="unused", max_retries=0)
     async with httpx.AsyncClient(timeout=300) as hx, httpx.AsyncClient(timeout=300) as slow:
         for k in range(n + 10):
             out = await timed("direct", k, lambda: engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0))
+            await hx.post(echo_url + "/chat/completions", json=body)  # as via_endpoint: after another request
+            re_ = await timed("echo", k, lambda: hx.post(echo_url + "/chat/completions", json=body))
             r = await via_endpoint("httpx", k, lambda ep: hx.post(
                 ep.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"}, json=body))
             assert r.status_code == 200, r.text
+            rc = await via_endpoint("httpx_cold", k, lambda ep: hx.post(
+                ep.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"}, json=body), cold=True)
             resp = await via_endpoint("sdk", k, lambda ep: sdk.with_options(
                 base_url=ep.base_url, api_key=ep.api_key).chat.completions.create(**body))
 
@@ -125,12 +171,15 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
             r2 = await via_endpoint("nagle", k, lambda ep: slow.post(
                 ep.base_url + "/chat/completions", headers={"Authorization": f"Bearer {ep.api_key}"}, json=body))
             assert nagle_on(endpoint, r2.extensions["network_stream"].get_extra_info("client_addr")) == 1
-            outs.add((len(out.token_ids), r.json()["usage"]["completion_tokens"], resp.usage.completion_tokens,
+            outs.add((len(out.token_ids), re_.json()["usage"]["completion_tokens"], r.json()["usage"]["completion_tokens"], rc.json()["usage"]["completion_tokens"],
+                      resp.usage.completion_tokens,
                       resp2.usage.completion_tokens, r2.json()["usage"]["completion_tokens"]))
             if k % 10 == 9:
                 print(f"  round trip {k + 1}/{n + 10}: " + ", ".join(
                     f"{row} {1e3 * times[row][-1]:.1f} ms" for row in ROWS if times[row]), flush=True)
     await sdk.close()
+    echo.should_exit = True
+    await echo_task
     assert len(outs) == 1 and len(set(next(iter(outs)))) == 1, f"greedy outputs differ: not equal work {outs}"
     res = {k: (statistics.median(v) * 1e3, pct(v, 0.9) * 1e3) for k, v in times.items()}
     res["paired"] = {k: statistics.median(a - b for a, b in zip(times[k], times["direct"])) * 1e3 for k in ROWS}

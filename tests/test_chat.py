@@ -64,3 +64,53 @@ def test_decode_keeps_tool_call_tags_and_drops_eos(tiny_model_dir):
     text = format_tool_call("calculate", {"expression": "2+3"})
     assert r.decode(r.encode(text) + [r.eos_token_id]) == text
     assert parse_tool_calls(r.decode(r.encode(text))).calls
+
+
+def test_render_cache_returns_what_a_fresh_render_does(tiny_model_dir):
+    """Prompts and deltas are cached by their JSON: a hit equals a fresh render, any change of a
+    message, a tool or of key order renders anew, and a caller's edit of the list it got back
+    does not reach the cache."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    r, fresh = ChatRenderer(tok), ChatRenderer(tok)
+    tools = [{"type": "function", "function": {"name": "f", "description": "d",
+                                               "parameters": {"type": "object", "properties": {"x": {"type": "string"}}}}}]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}]
+    first = r.prompt_ids(msgs, tools)
+    first.append(-1)  # the caller's copy
+    assert r.prompt_ids(msgs, tools) == fresh.encode(fresh._template(msgs, tools, True))
+    assert r.prompt_ids(msgs) == fresh.encode(fresh._template(msgs, None, True)) != r.prompt_ids(msgs, tools)
+    other = [msgs[0], {"role": "user", "content": "What is 2+4?"}]
+    assert r.prompt_ids(other, tools) == fresh.encode(fresh._template(other, tools, True))
+    reordered = [{"type": "function", "function": {"name": "f", "parameters": tools[0]["function"]["parameters"],
+                                                   "description": "d"}}]
+    assert r.prompt_ids(msgs, reordered) == fresh.encode(fresh._template(msgs, reordered, True))
+    for obs in ([{"role": "tool", "content": "5"}], [{"role": "tool", "content": "6"}], [{"role": "tool", "content": "5"}]):
+        assert r.observation_delta_ids(obs) == fresh._delta_ids(obs)
+    assert len(r._rendered) == 6  # 4 prompts, 2 deltas (the third delta was a hit)
+
+
+def test_malformed_calls_log_nothing_after_vllm_reconfigures_logging():
+    """vLLM re-applies its logging config when an engine starts in the process (the bench, a
+    colocated engine), which resets the level of every vllm.* logger: the parser's traceback per
+    malformed call must stay silent anyway (it cost ~0.3 ms per reply on the endpoint)."""
+    import logging
+
+    from vllm.logger import _configure_vllm_root_logger
+    from vllm.tool_parsers import ToolParserManager
+
+    from agentrl.tool_calls import ToolCallParser
+
+    parser = ToolCallParser("hermes")
+    _configure_vllm_root_logger()  # what an engine starting in this process does
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    log = logging.getLogger(ToolParserManager.get_tool_parser("hermes").__module__)
+    log.addHandler(handler)
+    try:
+        assert parser.parse('<tool_call>\n{"name": "f", "arguments": {"x": "unterminated</tool_call>').errors
+    finally:
+        log.removeHandler(handler)
+    assert seen == []
