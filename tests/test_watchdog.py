@@ -175,5 +175,7 @@ def test_a_healthy_slow_run_raises_no_alarm(tiny_model_dir, tmp_path):
     assert [r["step"] for r in rows] == list(range(1, 9))
     assert alarms == 0, (wd.last_report, seen)
     assert not (run_dir / "watchdog").exists()
-    # it was slow: steps took seconds, so the deadlines came from the run's timings, not the floor
-    assert max(seen["learner_step"]) > 0.2 and max(r["timing/step"] for r in rows) > 2
+    # it was slow: steps took seconds, so the deadlines came from the run's timings, not the floor.
+    # The slow part is the batch (1 s tool calls); the learner step itself takes ~0.01 s on a quiet
+    # machine and is not asserted on.
+    assert max(seen["batch"]) > 0.5 and max(r["timing/step"] for r in rows) > 2, seen

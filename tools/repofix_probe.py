@@ -1,4 +1,4 @@
-"""What a RepoFix-v0 policy writes in its first turn, on held-out seeds (no sandbox, no grading).
+"""Question: what does a RepoFix-v0 policy write in its first turn on held-out seeds (no sandbox, no grading)?
 
     python tools/repofix_probe.py --model .cache/repofix-sft [--config configs/repofix_cpu.yaml]
 
