@@ -90,17 +90,24 @@ class WeightSyncExtension:
 
     def agentrl_receive_adapter(self, spec: bytes, path: str) -> int:
         """Receive the learner's broadcast adapter buffer and write it to ``path``."""
+        from agentrl.refit import unflatten_weights
+
+        buf, layout = self._agentrl_receive_broadcast(spec, "agentrl_receive_adapter")
+        return self._agentrl_write_adapter(dict(unflatten_weights(buf.to("cpu"), layout)), path)
+
+    def _agentrl_receive_broadcast(self, spec: bytes, caller: str) -> tuple:
+        # The learner's flat adapter buffer, broadcast over the refit group, and its layout.
         import torch
 
-        from agentrl.refit import spec_from_bytes, unflatten_weights
+        from agentrl.refit import spec_from_bytes
 
         layout = spec_from_bytes(spec)
         group = getattr(self, "_agentrl_group", None)
         if group is None:
-            raise RuntimeError("agentrl_receive_adapter: no refit group (agentrl_init_weight_group first)")
+            raise RuntimeError(f"{caller}: no refit group (agentrl_init_weight_group first)")
         buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, device=self.device)
         group.broadcast(buf)
-        return self._agentrl_write_adapter(dict(unflatten_weights(buf.to("cpu"), layout)), path)
+        return buf, layout
 
     def agentrl_swap_adapter(self, source: bytes | str, spec: bytes | None, config_json: str, lora_id: int) -> int:
         """Swap the adapter ``lora_id`` for new tensors without a file: from a CUDA IPC handle of
@@ -124,16 +131,9 @@ class WeightSyncExtension:
 
     def agentrl_receive_swap_adapter(self, spec: bytes, config_json: str, lora_id: int) -> int:
         """Receive the learner's broadcast adapter buffer and swap it in without a file."""
-        import torch
+        from agentrl.refit import unflatten_weights
 
-        from agentrl.refit import spec_from_bytes, unflatten_weights
-
-        layout = spec_from_bytes(spec)
-        group = getattr(self, "_agentrl_group", None)
-        if group is None:
-            raise RuntimeError("agentrl_receive_swap_adapter: no refit group (agentrl_init_weight_group first)")
-        buf = torch.empty(max(layout.nbytes, 1), dtype=torch.uint8, device=self.device)
-        group.broadcast(buf)
+        buf, layout = self._agentrl_receive_broadcast(spec, "agentrl_receive_swap_adapter")
         return self._agentrl_swap({name: t.clone() for name, t in unflatten_weights(buf, layout)}, config_json, lora_id)
 
     def _agentrl_swap(self, tensors: dict, config_json: str, lora_id: int) -> int:
