@@ -17,6 +17,8 @@ import pytest
 from agentrl.envs import SandboxLimits, run_sandboxed
 from agentrl.envs.workspace import Workspace, WorkspaceDied, WorkspaceLimits, make_tar
 
+from tests.proc_helpers import ns_members
+
 FAST = WorkspaceLimits(call_timeout_s=2.0, max_processes=8, max_disk_bytes=4 << 20, max_tmp_bytes=1 << 20)
 
 
@@ -25,18 +27,6 @@ def ws():
     with Workspace(make_tar({"README": "hello\n", "pkg/mod.py": "X = 1\n"}), FAST) as w:
         yield w
 
-
-def _ns_members(namespaces: set[str]) -> list[int]:
-    """Host PIDs of every process on the machine that is in one of these PID namespaces."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.readlink(f"/proc/{entry.name}/ns/pid") in namespaces:
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def test_files_cwd_and_exported_variables_carry_over(ws):
@@ -158,7 +148,7 @@ def test_close_kills_everything_and_is_idempotent():
     assert len(pids) >= 5
     w.close()
     w.close()
-    assert _ns_members(namespaces) == []
+    assert ns_members(namespaces) == []
     with pytest.raises(WorkspaceDied):
         w.bash("true")
 
@@ -209,13 +199,13 @@ def test_worker_death_leaves_no_process_or_directory(tmp_path, sig):
                               stdout=subprocess.PIPE, text=True, env=env)
     line = worker.stdout.readline()
     namespaces = set(line.split())
-    assert len(namespaces) == 3 and _ns_members(namespaces)
+    assert len(namespaces) == 3 and ns_members(namespaces)
     worker.send_signal(sig)
     worker.wait(10)
     deadline = time.monotonic() + 10
-    while _ns_members(namespaces) and time.monotonic() < deadline:
+    while ns_members(namespaces) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _ns_members(namespaces) == []
+    assert ns_members(namespaces) == []
     assert {str(d): sorted(os.listdir(d)) for d in watched} == before
     assert [n for n in os.listdir("/dev/shm") if str(worker.pid) in n] == []
     assert open("/proc/mounts").read() == mounts
@@ -235,10 +225,10 @@ def test_an_episode_that_crashes_leaves_nothing():
         raise RuntimeError("the episode crashed")
     except RuntimeError:
         env.close()
-    assert _ns_members(namespaces) == []
+    assert ns_members(namespaces) == []
     env = RepoFixEnv()
     env.reset(seed=1)
     namespaces = {os.readlink(f"/proc/{env.workspace.processes()[0]}/ns/pid")}
     del env
     gc.collect()
-    assert _ns_members(namespaces) == []
+    assert ns_members(namespaces) == []

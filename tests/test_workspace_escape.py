@@ -21,21 +21,11 @@ from agentrl.envs.repo_fix import MARKER, RepoFixEnv, expert
 from agentrl.envs.workspace import Workspace, WorkspaceLimits, make_tar
 
 from agentrl.chat import format_tool_call
+from tests.proc_helpers import ns_members
 
 SECRET = secrets.token_hex(16)
 LIMITS = WorkspaceLimits(call_timeout_s=4.0, max_processes=8, max_disk_bytes=4 << 20, max_tmp_bytes=1 << 20)
 
-
-def _ns_members(namespaces: set[str]) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.readlink(f"/proc/{entry.name}/ns/pid") in namespaces:
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def _ns(ws: Workspace) -> str:
@@ -86,9 +76,9 @@ def test_no_process_outlives_the_episode():
         disown -a; sleep 0.3; ps -e | wc -l""")
     env.step(format_tool_call("bash", {"command": daemons}))
     namespaces = {_ns(ws)}
-    assert len(_ns_members(namespaces)) >= 6
+    assert len(ns_members(namespaces)) >= 6
     env.step("done")  # graded: the episode ends and its sandbox with it
-    assert _ns_members(namespaces) == []
+    assert ns_members(namespaces) == []
     env.close()
 
 

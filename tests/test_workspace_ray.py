@@ -7,19 +7,10 @@ import time
 
 import pytest
 
+from tests.proc_helpers import ns_members
+
 pytestmark = pytest.mark.slow
 
-
-def _ns_members(namespaces: set[str]) -> list[int]:
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                if os.readlink(f"/proc/{entry.name}/ns/pid") in namespaces:
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 def test_killed_actor_leaves_no_workspace_process():
@@ -46,11 +37,11 @@ def test_killed_actor_leaves_no_workspace_process():
 
         holder = EpisodeHolder.remote()
         namespaces = set(ray.get(holder.start.remote([0, 1, 2]), timeout=120))
-        assert len(namespaces) == 3 and len(_ns_members(namespaces)) >= 9  # init, shell, sleep each
+        assert len(namespaces) == 3 and len(ns_members(namespaces)) >= 9  # init, shell, sleep each
         ray.kill(holder, no_restart=True)
         deadline = time.monotonic() + 30
-        while _ns_members(namespaces) and time.monotonic() < deadline:
+        while ns_members(namespaces) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert _ns_members(namespaces) == []
+        assert ns_members(namespaces) == []
     finally:
         ray.shutdown()
