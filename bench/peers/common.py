@@ -18,6 +18,7 @@ with a fixed text of `obs_tokens` tokens.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -299,3 +300,27 @@ def timed_summary(step_walls: list[float], tokens: list[float], generated: list[
     return {"steps": len(walls), "step_time_s": statistics.median(walls) if walls else None,
             "trained_tokens_per_step": statistics.fmean(toks) if toks else None,
             "trained_tokens_per_s_per_gpu": sum(toks) / span, "generated_tokens_per_s": sum(gens) / span}
+
+
+def harness_parser(doc: str, settings: str = "recommended") -> argparse.ArgumentParser:
+    """The options every system's runner takes: workload, settings, timed steps, warm-up, lr, output."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
+    p.add_argument("--settings", default=settings)
+    p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--lr", type=float, default=1e-5)
+    p.add_argument("--out", default="peers.json")
+    p.add_argument("--workdir", default="/tmp/peers")
+    p.add_argument("--scale", type=float, default=1.0, help="scale the workload's sizes (CPU checks)")
+    return p
+
+
+def close_result(res: Result, sampler: Any, busy_from: float | None, wanted_steps: int) -> Result:
+    """Peak memory and busy share from the NVML sampler; a run short of its timed steps is an error."""
+    if busy_from is not None:
+        res.gpu_busy = sampler.busy(busy_from)
+    res.peak_gpu_gib = sampler.peak_gib()
+    if res.status == "ok" and res.steps < wanted_steps:
+        res.status, res.reason = "error", f"only {res.steps} timed steps ran"
+    return res

@@ -33,6 +33,8 @@ from bench.peers.common import (
     WORKLOADS,
     GpuSampler,
     Result,
+    close_result,
+    harness_parser,
     make_model,
     observation_text,
     pinned_versions,
@@ -128,26 +130,15 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
                                              for m in rows)))
         res.extra["staleness_max"] = max(m.get("replay/staleness_max", 0.0) for m in rows)
         res.extra["step_walls_s"] = [round(w, 3) for w in walls]
-    res.peak_gpu_gib = sampler.peak_gib()
-    res.gpu_busy = sampler.busy(stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0)
-    if res.status == "ok" and res.steps < args.steps:
-        res.status, res.reason = "error", f"only {res.steps} timed steps ran"
-    return res
+    busy_from = stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0
+    return close_result(res, sampler, busy_from, args.steps)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
-    p.add_argument("--settings", default="recommended,like")
-    p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p = harness_parser(__doc__, settings="recommended,like")
     p.add_argument("--engine-mem", type=float, default=0.2,
                    help="vLLM's share of the GPU when resident (bench/gpu_e2e.py: 0.25 left no room for a refit)")
-    p.add_argument("--out", default="peers.json")
-    p.add_argument("--workdir", default="/tmp/peers")
     p.add_argument("--cpu", action="store_true", help="a CPU check of the harness: tiny shape, scaled workload")
-    p.add_argument("--scale", type=float, default=1.0, help="scale the workload's sizes (CPU checks)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")

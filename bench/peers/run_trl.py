@@ -33,6 +33,8 @@ from bench.peers.common import (
     WORKLOADS,
     GpuSampler,
     Result,
+    close_result,
+    harness_parser,
     lookup_tool,
     make_model,
     observation_text,
@@ -180,26 +182,15 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
         res.extra["config"] = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": total // per_device,
                                "gradient_checkpointing": cfg.gradient_checkpointing,
                                "is_mode": cfg.vllm_importance_sampling_mode}
-    res.peak_gpu_gib = sampler.peak_gib()
-    res.gpu_busy = sampler.busy(stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0)
-    if res.status == "ok" and res.steps < args.steps:
-        res.status, res.reason = "error", f"only {res.steps} timed steps ran"
-    return res
+    busy_from = stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0
+    return close_result(res, sampler, busy_from, args.steps)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
-    p.add_argument("--settings", default="recommended")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p = harness_parser(__doc__)
     p.add_argument("--engine-mem", type=float, default=0.3)
     p.add_argument("--micro-batch", type=int, default=0, help="per_device_train_batch_size (0: 8, long: 1)")
-    p.add_argument("--out", default="peers.json")
-    p.add_argument("--workdir", default="/tmp/peers")
     p.add_argument("--cpu", action="store_true", help="a CPU check of the harness (transformers generate, no vLLM)")
-    p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--any-version", action="store_true")
     args = p.parse_args()
     wl = WORKLOADS[args.workload]

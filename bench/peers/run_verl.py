@@ -51,6 +51,8 @@ from bench.peers.common import (
     WORKLOADS,
     GpuSampler,
     Result,
+    close_result,
+    harness_parser,
     make_model,
     observation_text,
     pinned_versions,
@@ -364,6 +366,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
     reader.join(timeout=10)
     stamps.stop()
     sampler.stop()
+    busy_from = None
     text = "".join(tail)
     if rc != 0:
         oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
@@ -395,30 +398,19 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
                     "perf/max_memory_reserved_gb", "perf/throughput"):
             res.extra[key] = [r.get(key) for r in rows]
         if len(st) == len(rows) and len(st) > args.warmup:
-            res.gpu_busy = sampler.busy(st[args.warmup - 1])
-    res.peak_gpu_gib = sampler.peak_gib()
-    if res.status == "ok" and res.steps < args.steps:
-        res.status, res.reason = "error", f"only {res.steps} timed steps ran"
-    return res
+            busy_from = st[args.warmup - 1]
+    return close_result(res, sampler, busy_from, args.steps)
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
-    p.add_argument("--settings", default="recommended")
-    p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--lr", type=float, default=1e-5)
+    p = harness_parser(__doc__)
     p.add_argument("--engine-mem", type=float, default=0.0,
                    help="rollout.gpu_memory_utilization (0: 0.5, verl's default; like: 0.3)")
     p.add_argument("--timeout", type=int, default=int(os.environ.get("RUN_TIMEOUT", "540")) - 45,
                    help="seconds for one verl run, then it is stopped and its steps so far are written "
                         "(default: device.sh's RUN_TIMEOUT - 45)")
-    p.add_argument("--out", default="peers.json")
-    p.add_argument("--workdir", default="/tmp/peers")
     p.add_argument("--dry-run", action="store_true", help="CPU: build and check config, data, tool, reward; no training")
     p.add_argument("--print-config", action="store_true", help="with --dry-run: print the resolved config")
-    p.add_argument("--scale", type=float, default=1.0)
     p.add_argument("--any-version", action="store_true")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra hydra override")
     args = p.parse_args()
