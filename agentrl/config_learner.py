@@ -1,0 +1,156 @@
+"""The learner's config sections: backend and optimizer, Megatron-Core layout and speed options, LoRA.
+
+Part of the run configuration (:mod:`agentrl.config` re-exports everything here).
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Literal
+
+from pydantic import Field, PrivateAttr, model_validator
+
+from agentrl.config_base import Section
+
+__all__ = ["FAST_OPTIONS", "LearnerConfig", "LoRAConfig", "MegatronConfig", "resolve_fast_options"]
+
+
+class MegatronConfig(Section):
+    tensor_parallel_size: int = Field(1, ge=1)
+    """Tensor (intra-layer) parallel degree."""
+    pipeline_parallel_size: int = Field(1, ge=1)
+    """Pipeline (inter-layer) parallel degree."""
+    context_parallel_size: int = Field(1, ge=1)
+    """Context parallel degree: every packed document is split into 2*cp zig-zag chunks."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence within the tensor-parallel group."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer layer in the backward pass (less memory, more compute)."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    overlap_grad_reduce: bool = False
+    """Overlap the data-parallel gradient reduction with the backward pass."""
+    grad_reduce_in_fp32: bool = True
+    """Reduce gradients in float32 even when training in bf16."""
+    attention: Literal["flex", "sdpa", "te"] = "flex"
+    """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
+    TransformerEngine's when it is importable."""
+    cuda_graphs: Literal["auto", True, False] = "auto"
+    """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
+    launch overhead that dominates at small micro-batches. Every micro-batch is padded to
+    packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
+    or context parallelism and no activation checkpointing. The graph's activations stay
+    allocated between steps (set false when memory is short). auto (the default): on exactly where
+    it can run (the conditions above) and the learner does not share its GPU with engines
+    (colocate.enabled: the engines need that memory), off elsewhere; true/false force it."""
+    keep_grad_logits: Literal["auto", True, False] = "auto"
+    """Keep d logp / d logits (bf16 [tokens, vocab]) from the forward pass instead of recomputing
+    the logits in backward: faster, and tokens x vocab x 2 bytes more memory (5 GB at 16k tokens
+    and a 152k vocabulary; divided by the tensor and context parallel degrees). auto (the
+    default): on unless activation_checkpointing (which asks for memory over speed); true/false
+    force it."""
+    fused_logprobs: Literal["auto", True, False] = "auto"
+    """Make the logprob head's softmax work (logsumexp, label logprob, d logp / d logits) with
+    compiled one-pass kernels over the bf16 logits instead of float32 chunk tensors. Same math,
+    another reduction order; no effect under tensor parallelism (the learner's weights are always
+    bf16/fp16). auto (the default): on without tensor parallelism; true/false force it."""
+    flex_expand_kv: Literal["auto", True, False] = "auto"
+    """attention=flex with grouped-query attention: repeat K/V to the query heads before
+    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch. No
+    effect with attention sdpa/te or context parallelism (which has its own attention path).
+    auto (the default): on with attention=flex and no context parallelism; true/false force it."""
+
+    _auto: frozenset[str] = PrivateAttr(default=frozenset())
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in FAST_OPTIONS:  # an explicit true/false stops following the layout; "auto" resumes
+            self._auto = self._auto - {name} if value != "auto" else self._auto | {name}
+        super().__setattr__(name, value)
+
+    @model_validator(mode="after")
+    def _resolve_auto(self) -> MegatronConfig:
+        # Resolved here, so the learner, --print-config and the run's config.json all show what runs.
+        self._auto = self._auto | {k for k in FAST_OPTIONS if getattr(self, k) == "auto"}
+        for name, on in resolve_fast_options(self).items():
+            if name in self._auto:
+                object.__setattr__(self, name, on)  # plain set: no re-validation from inside the validator
+        return self
+
+
+FAST_OPTIONS = ("cuda_graphs", "keep_grad_logits", "fused_logprobs", "flex_expand_kv")
+"""The `learner.megatron` speed options that default to ``auto``."""
+
+
+def resolve_fast_options(mcfg: MegatronConfig) -> dict[str, bool]:
+    """What ``auto`` means for each of :data:`FAST_OPTIONS` under ``mcfg``'s layout: on where it
+    can run and helps, off elsewhere (measured on 1x H100: bench/RESULTS.md, Megatron learner).
+
+    Example:
+        >>> resolve_fast_options(MegatronConfig(tensor_parallel_size=2))["cuda_graphs"]
+        False
+    """
+    single = mcfg.tensor_parallel_size == mcfg.pipeline_parallel_size == mcfg.context_parallel_size == 1
+    flex = mcfg.attention == "flex"
+    return {
+        "cuda_graphs": single and flex and not mcfg.activation_checkpointing,
+        "keep_grad_logits": not mcfg.activation_checkpointing,
+        "fused_logprobs": mcfg.tensor_parallel_size == 1,
+        "flex_expand_kv": flex and mcfg.context_parallel_size == 1,
+    }
+
+
+class LoRAConfig(Section):
+    rank: int = Field(0, ge=0, le=512)
+    """LoRA rank r; 0 (the default) trains every weight (full fine-tuning). With r > 0 the torch
+    learner trains PEFT adapters on ``target_modules`` over a frozen base, and each refit moves
+    only the adapter's tensors into engines started with LoRA enabled (docs/guides/lora.md)."""
+    alpha: float = Field(16.0, gt=0)
+    """LoRA scaling numerator: the update is ``alpha / rank * B @ A``."""
+    dropout: float = Field(0.0, ge=0, lt=1)
+    """Dropout on the adapter's input. The learner runs every pass in eval mode (the engine that
+    sampled the tokens has no dropout, so the IS ratios compare the same policy): a value > 0 has no
+    effect and is warned about."""
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    """Names of the linear layers that get adapters (PEFT's ``target_modules``; vLLM serves these
+    for Llama/Qwen/Mistral-style decoders). The LM head and the embeddings cannot be adapted."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @model_validator(mode="after")
+    def _check(self) -> LoRAConfig:
+        if not self.target_modules:
+            raise ValueError("learner.lora.target_modules must name at least one linear layer (e.g. q_proj)")
+        bad = [m for m in self.target_modules if m in ("lm_head", "embed_tokens", "wte", "output")]
+        if bad:
+            raise ValueError(f"learner.lora.target_modules: {', '.join(bad)} cannot be adapted (the learner's "
+                             "chunked logprobs read the LM head's weight; vLLM adapts linear layers only); "
+                             "keep the decoder's linear layers, e.g. q_proj, v_proj")
+        if self.enabled and self.dropout > 0:
+            warnings.warn(f"learner.lora.dropout={self.dropout} has no effect: the learner runs in eval mode, "
+                          "like the engine that sampled the tokens", stacklevel=2)
+        return self
+
+
+class LearnerConfig(Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    """torch: Hugging Face model + AdamW (CPU, small GPUs); megatron: Megatron-Core (GPUs)."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Global gradient-norm clip."""
+    num_gpus: int = Field(0, ge=0)
+    """Learner actors (one per GPU); 0 runs one learner on CPU."""
+    num_cpus: float = Field(1.0, gt=0)
+    """Ray CPUs (and torch threads) of the learner actor."""
+    resources: dict[str, float] = Field(default_factory=dict)
+    """Custom Ray resources each actor of this kind needs; pins them to nodes that offer them."""
+    megatron: MegatronConfig = Field(default_factory=MegatronConfig)
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """LoRA adapters instead of full fine-tuning (torch learner only); off while ``rank`` is 0."""
