@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from agentrl.config import load_config
-from tests.test_pipeline_e2e import e2e_overrides, mean_abs_diff, start_ray
+from tests.test_pipeline_e2e import e2e_overrides, mean_abs_diff, train_and_score
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
@@ -45,33 +45,6 @@ def _engine_vs_learner(trainer, temperature: float = 1.0) -> dict[str, float]:
             "versions": sorted({v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m})}
 
 
-def _train(cfg) -> dict:
-    import ray
-
-    from agentrl.trainer import Trainer
-    from agentrl.trajectory import Trajectory
-
-    fixed = list(range(5, 45))
-    start_ray()
-    trainer = Trainer(cfg, progress=False)
-    try:
-        trainer.start()
-        engine = trainer.engines[0]
-        before = ray.get(engine.score.remote(fixed))
-        trainer.run()
-        return {
-            "transport": trainer.transport, "version": trainer.version,
-            "engine_version": ray.get(engine.version.remote()), "before": before,
-            "after": ray.get(engine.score.remote(fixed)),
-            "learner": ray.get(trainer.learner.logprobs.remote([Trajectory(
-                token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)]))[0],
-            "sampled": _engine_vs_learner(trainer),
-        }
-    finally:
-        trainer.shutdown()
-        ray.shutdown()
-
-
 @pytest.mark.parametrize("transport", ["object_store", "nccl"])
 def test_lora_training_refits_the_adapter_and_engine_matches_learner(tiny_model_dir, tmp_path, transport):
     """Three steps with an adapter-only refit after each (object store; the broadcast over gloo):
@@ -79,7 +52,7 @@ def test_lora_training_refits_the_adapter_and_engine_matches_learner(tiny_model_
     run_dir = tmp_path / "run"
     cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, f"refit.transport={transport}",
                                           "rollout.num_actors=1", *LORA))
-    r = _train(cfg)
+    r = train_and_score(cfg, extra=lambda trainer: {"sampled": _engine_vs_learner(trainer)})
     print(f"[lora-e2e] {transport}: engine vs learner on sampled tokens {r['sampled']}")
     assert r["transport"] == transport and r["engine_version"] == r["version"] == 3
     assert mean_abs_diff(r["before"], r["after"]) > 1e-3, "the adapter refits did not change the engine's logprobs"

@@ -244,9 +244,10 @@ def test_engine_killed_mid_run_training_continues(tiny_model_dir, tmp_path):
     assert counts["replay/consumed"] == steps_total * cfg.replay.groups_per_step
 
 
-def train_and_score(cfg) -> dict:
+def train_and_score(cfg, extra=None) -> dict:
     """Start a Trainer on ``cfg``, score a fixed sequence with the engine before and after the run,
-    and with the learner after it; returns those, the versions and the transport used."""
+    and with the learner after it; returns those, the versions and the transport used, plus
+    ``extra(trainer)``'s items when given (measured after the run, before shutdown)."""
     import ray
 
     from agentrl.trainer import Trainer
@@ -266,6 +267,7 @@ def train_and_score(cfg) -> dict:
             "after": ray.get(engine.score.remote(fixed)),
             "learner": ray.get(trainer.learner.logprobs.remote([Trajectory(
                 token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)]))[0],
+            **(extra(trainer) if extra else {}),
         }
     finally:
         trainer.shutdown()
