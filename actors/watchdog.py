@@ -161,7 +161,10 @@ class Watchdog:
             self._emit(report)
             raise RunStalled(f"{report}\nstopping the run: {why}")
         elapsed = time.perf_counter() - t0
-        if not alarmed:  # a recovered wait's length says nothing about healthy ones
+        # A recovered wait's length says nothing about healthy ones; nor does one that waited out
+        # a restart (the restarted engine's start-up, ~a minute on a GPU): recorded, it would
+        # raise this kind's deadline to factor x that start-up for the rest of the run.
+        if not alarmed and self._grace_until <= t0:
             self.deadlines.record(kind, elapsed)
         return elapsed
 
