@@ -101,7 +101,7 @@ class Trainer:
         self.num_abandoned_groups = 0
         self.num_engine_catch_ups = 0  # restarted engines given the current weights by the driver
         self.engines_version = 0  # the weights version every engine serves (the last refit's)
-        self._engine_pings: dict[int, Any] = {}  # _check_engines: pings sent, not yet read
+        self._engine_pings: dict[int, tuple[Any, int]] = {}  # _check_engines: (ping, engines_version when sent)
         self._progress_counts: tuple[float, float] | None = None  # _progress: (put, dropped stale) last look
         self._fresh_looks = 0
         self.engine_start_s: float | None = None  # how long the engines took to start (a restart's grace)
@@ -386,14 +386,17 @@ class Trainer:
         its start weights, every group it makes is dropped as stale, and no batch ever comes (the
         next refit, which would fix it, waits for that batch)."""
         if self._refit_future is not None and not self._refit_future.done():
-            return  # the refit in flight loads every engine, a restarted one too
+            self._engine_pings.clear()  # the refit in flight loads every engine, a restarted one too
+            return
         for i, engine in enumerate(self.engines):
-            ref = self._engine_pings.pop(i, None)
-            if ref is None:
-                self._engine_pings[i] = engine.ping.remote()
+            ref, sent_at = self._engine_pings.pop(i, (None, None))
+            if ref is None or sent_at != self.engines_version:
+                # only an answer to a ping sent after the last refit ended tells a restarted engine
+                # from one that had not loaded that refit yet
+                self._engine_pings[i] = (engine.ping.remote(), self.engines_version)
                 continue
             if not ray.wait([ref], timeout=0)[0]:
-                self._engine_pings[i] = ref  # restarting (vLLM loads): read it next time
+                self._engine_pings[i] = (ref, sent_at)  # restarting (vLLM loads): read it next time
                 continue
             try:
                 status = ray.get(ref)

@@ -92,7 +92,7 @@ def driver_stacks() -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=440.0,
                     help="every wait ends by then; a run still going is reported as hung (its stacks in the JSON)")
     ap.add_argument("--cpu", action="store_true", help="check the logic on CPU (quickstart model, no colocation)")
@@ -121,9 +121,15 @@ def main() -> int:
             tmp.replace(out_path)
 
     def on_term(signum, frame) -> None:  # the call's timeout: say how far it got, then go
-        result["phase"] += " (SIGTERM)"
-        result["stacks_at_sigterm"] = driver_stacks()
+        result["sigterm"] = {"phase": result["phase"], "at_s": time.perf_counter() - t_begin,
+                             "driver_stacks": driver_stacks()}
+        note(f"SIGTERM in phase: {result['phase']}")
         write()
+        import ray
+
+        closer = threading.Thread(target=ray.shutdown, daemon=True)  # no vLLM process left on the GPU
+        closer.start()
+        closer.join(timeout=20)
         os._exit(124)
 
     signal.signal(signal.SIGTERM, on_term)
@@ -237,6 +243,7 @@ def main() -> int:
     code = 1
     try:
         trainer.start()
+        signal.signal(signal.SIGTERM, on_term)  # again: ray.init installs its own
         result["start_s"] = time.perf_counter() - t_begin
         result["engine_start_s"] = trainer.engine_start_s  # a restart's grace is twice this
         result["gpu_used_started_gib"] = gpu_used_gib()
@@ -260,6 +267,7 @@ def main() -> int:
         result["trainer_version"] = trainer.version
         result["engines_version"] = trainer.engines_version
         result["fault_metrics"] = trainer._fault_metrics()
+        result["phase_at_end"] = result["phase"]
         if runner.is_alive():
             result["hung"] = {"phase": result["phase"], "driver_stacks": driver_stacks(),
                               "last_watchdog_report": trainer.watchdog.last_report[:6000]}

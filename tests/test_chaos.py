@@ -315,7 +315,7 @@ def test_engine_killed_without_staged_weights_gets_the_current_ones(tiny_model_d
     rows = [r for r in read_rows(run_dir) if "train/loss" in r]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     assert "killed" in out and pid != out["killed"][0]  # restarted, in a new process
-    assert faults["faults/engine_catch_ups"] >= 1
+    assert faults["faults/engine_catch_ups"] == 1  # the restarted engine only (a ping read late is no restart)
     assert engine_version == trainer.version == steps
     # trained on fresh groups only: the restarted engine's stale ones were dropped, never consumed
     assert all(r["replay/staleness_max"] == 0 for r in rows)
