@@ -303,8 +303,12 @@ class Trainer:
             elif (r.name.startswith("engine") and r.status.get("started")
                   and r.status.get("version", self.engines_version) < self.engines_version):
                 # restarted without the weights (a GPU transport stages none): its groups are stale
+                fixable = not self.overlap_steps() and self.transport != "nccl"
                 r.action = (f"serves weights version {r.status.get('version')}, older than the run's "
-                            f"{self.engines_version} (restarted); the driver loads the current ones between waits")
+                            f"{self.engines_version} (restarted without them): "
+                            + ("the driver loads the current ones between waits" if fixable else
+                               "nothing loads them before the next refit (overlapped steps or nccl), which "
+                               "waits for this batch"))
             elif r.name.startswith(("engine", "teacher")) and r.status.get("started") is False:
                 r.action, acted, restarting = "starting vLLM (restarted); waiting for it", True, True
             elif r.name.startswith("rollout") and r.state in ("unresponsive", "dead"):
