@@ -37,6 +37,7 @@ class EngineActor(AsyncDiag):
                                  lora=lora)
         self.weight_source = weight_source
         self._started = False
+        self._start_error = ""  # why vLLM failed to start, for the watchdog's diagnosis
         self._lock: asyncio.Lock | None = None
 
     async def _ready(self) -> None:
@@ -46,7 +47,12 @@ class EngineActor(AsyncDiag):
         async with self._lock:
             if self._started:
                 return
-            await self.engine.start()
+            try:
+                await self.engine.start()
+            except Exception as exc:
+                self._start_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                raise
+            self._start_error = ""
             if isinstance(self.weight_source, str):  # a named actor (the trainer's replay actor)
                 self.weight_source = ray.get_actor(self.weight_source)
             if self.weight_source is not None:
@@ -139,7 +145,8 @@ class EngineActor(AsyncDiag):
 
     def diag_status(self) -> dict[str, Any]:
         n = self.engine.num_inflight
-        return {"busy": n > 0, "requests_in_flight": n, "version": self.engine.version, "started": self._started}
+        status = {"busy": n > 0, "requests_in_flight": n, "version": self.engine.version, "started": self._started}
+        return status | ({"start_error": self._start_error} if self._start_error else {})
 
     def num_inflight(self) -> int:
         return self.engine.num_inflight

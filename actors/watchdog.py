@@ -87,6 +87,7 @@ class Watchdog:
         self.num_recoveries = 0
         self.last_report = ""
         self._grace_until = 0.0
+        self._waited: set[str] = set()  # kinds waited for at least once
 
     def grace(self, seconds: float) -> None:
         """No deadline passes in the next ``seconds`` (an actor restarted by a recovery, or by Ray,
@@ -161,7 +162,13 @@ class Watchdog:
             self._emit(report)
             raise RunStalled(f"{report}\nstopping the run: {why}")
         elapsed = time.perf_counter() - t0
-        if not alarmed:  # a recovered wait's length says nothing about healthy ones
+        # A recovered wait's length says nothing about healthy ones; nor does one that waited out
+        # a restart (the restarted engine's start-up, ~a minute on a GPU), nor the first of its
+        # kind (one-off warm-up: vLLM's first requests, the first batch; `first_s` covers it):
+        # recorded, they would raise this kind's deadline to factor x that for the rest of the run.
+        first = kind not in self._waited
+        self._waited.add(kind)
+        if not alarmed and not first and self._grace_until <= t0:
             self.deadlines.record(kind, elapsed)
         return elapsed
 

@@ -99,6 +99,11 @@ class Trainer:
         self.num_engine_restarts = 0
         self.num_refit_retries = 0
         self.num_abandoned_groups = 0
+        self.num_engine_catch_ups = 0  # restarted engines given the current weights by the driver
+        self.engines_version = 0  # the weights version every engine serves (the last refit's)
+        self._engine_pings: dict[int, tuple[Any, int]] = {}  # _check_engines: (ping, engines_version when sent)
+        self._progress_counts: tuple[float, float] | None = None  # _progress: (put, dropped stale) last look
+        self._fresh_looks = 0
         self.engine_start_s: float | None = None  # how long the engines took to start (a restart's grace)
 
     # -- actors -----------------------------------------------------------------------------------
@@ -273,7 +278,7 @@ class Trainer:
         """What the watchdog can do about a stall: restart frozen engines (Ray restarts them; they
         load the staged weights) and replace frozen or dead rollout actors. False where nothing
         it may restart is at fault (the learner or the replay queue: their state would be lost)."""
-        acted = restarting = False
+        acted = restarting = fatal = False
         named = self.named_actors()
         for r in reports:
             gone = r.pid is not None and not self.watchdog.process_alive(r.name, r.pid)
@@ -291,6 +296,19 @@ class Trainer:
                 restarting = True
             elif r.name.startswith(("engine", "teacher")) and r.state == "dead":
                 r.action, acted, restarting = "restarting (Ray)", True, True
+            elif r.name.startswith(("engine", "teacher")) and r.status.get("start_error"):
+                # a restarted engine whose vLLM cannot start (e.g. the colocated learner holds the
+                # memory it asks for): every call on it fails; waiting changes nothing
+                r.action, fatal = "its vLLM fails to start (restarted): the run cannot go on without it", True
+            elif (r.name.startswith("engine") and r.status.get("started")
+                  and r.status.get("version", self.engines_version) < self.engines_version):
+                # restarted without the weights (a GPU transport stages none): its groups are stale
+                fixable = not self.overlap_steps() and self.transport != "nccl"
+                r.action = (f"serves weights version {r.status.get('version')}, older than the run's "
+                            f"{self.engines_version} (restarted without them): "
+                            + ("the driver loads the current ones between waits" if fixable else
+                               "nothing loads them before the next refit (overlapped steps or nccl), which "
+                               "waits for this batch"))
             elif r.name.startswith(("engine", "teacher")) and r.status.get("started") is False:
                 r.action, acted, restarting = "starting vLLM (restarted); waiting for it", True, True
             elif r.name.startswith("rollout") and r.state in ("unresponsive", "dead"):
@@ -305,22 +323,36 @@ class Trainer:
                 if r.state == "busy":
                     r.action = "busy and answering: waiting again"
             acted = True
-        if restarting:  # twice as long as the engines took to start (a longer grace would hide the next fault)
-            wc = self.cfg.watchdog
-            start = self.engine_start_s or wc.first_s
-            self.watchdog.grace(min(wc.first_s, max(wc.floor_s, 2 * start)))
-        return acted
+        if restarting:
+            self._restart_grace()
+        return acted and not fatal
+
+    def _restart_grace(self) -> None:
+        """An engine restarts: no deadline passes for twice as long as the engines took to start
+        (a longer grace would hide the next fault), and the waits it spans are not taken as the
+        run's usual timings."""
+        wc = self.cfg.watchdog
+        start = self.engine_start_s or wc.first_s
+        self.watchdog.grace(min(wc.first_s, max(wc.floor_s, 2 * start)))
 
     def _progress(self) -> Any:
-        """What changes while rollouts make progress: the replay queue's counters (None if the
-        replay actor does not answer)."""
+        """What changes while rollouts make progress towards the batch: a count of the looks (the
+        watchdog looks at each deadline) between which more groups were queued than dropped as
+        stale (None if the replay actor does not answer).
+
+        Not admissions (a frozen engine still lets groups be admitted), nor groups given back after
+        failing, nor groups dropped as stale: an engine that cannot start fails every group, and a
+        restarted engine serving old weights makes only stale ones, both forever; counting them
+        kept the watchdog quiet while the run made no step (issue 33, GPU chaos)."""
         try:
             m = ray.get(self.replay.metrics.remote(), timeout=self.cfg.watchdog.ping_timeout_s)
         except Exception:  # noqa: BLE001 (judged by the diagnosis)
             return None
-        # groups finishing (queued, given back after failing, dropped as stale); not admissions:
-        # a slot taken is not work done, and a frozen engine still lets new groups be admitted
-        return tuple(m.get(k) for k in ("replay/put", "replay/released", "replay/dropped_stale"))
+        counts = (m.get("replay/put", 0.0), m.get("replay/dropped_stale", 0.0))
+        last, self._progress_counts = self._progress_counts, counts
+        if last is not None and counts[0] - last[0] > counts[1] - last[1]:
+            self._fresh_looks += 1
+        return self._fresh_looks
 
     def _get(self, kind: str, refs: Any, what: str, *, recover: bool = True, focus: tuple[str, ...] = (),
              progress: bool = False) -> Any:
@@ -347,6 +379,64 @@ class Trainer:
                 self.engines_unavailable_at_refit += 1
                 self._get(kind, getattr(self.engines[i], method).remote(*args), f"engine{i}.{method} (restarted)",
                           focus=(f"engine{i}",))
+
+    def _check_engines(self) -> None:
+        """Give a restarted engine the current weights: between waits for a batch, read the engines'
+        pings (sent last time, never waited for) and load the learner's weights into one that
+        started but serves an older version than the others.
+
+        An engine restarted by Ray catches up by itself from the weights staged in the replay actor,
+        but only object-store refits are staged: with CUDA IPC (colocated) or NCCL it comes up with
+        its start weights, every group it makes is dropped as stale, and no batch ever comes (the
+        next refit, which would fix it, waits for that batch)."""
+        if self._refit_future is not None and not self._refit_future.done():
+            self._engine_pings.clear()  # the refit in flight loads every engine, a restarted one too
+            return
+        for i, engine in enumerate(self.engines):
+            ref, sent_at = self._engine_pings.pop(i, (None, None))
+            if ref is None or sent_at != self.engines_version:
+                # only an answer to a ping sent after the last refit ended tells a restarted engine
+                # from one that had not loaded that refit yet
+                self._engine_pings[i] = (engine.ping.remote(), self.engines_version)
+                continue
+            if not ray.wait([ref], timeout=0)[0]:
+                self._engine_pings[i] = (ref, sent_at)  # restarting (vLLM loads): read it next time
+                continue
+            try:
+                status = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+                continue  # died or restarting: pinged again next time
+            served = int(status.get("version", self.engines_version))
+            if status.get("started") and served < self.engines_version:
+                self._catch_up_engine(i, served)
+
+    def _catch_up_engine(self, i: int, served: int) -> None:
+        """Load the learner's current weights (version ``self.version``) into engine ``i`` alone;
+        the learner is idle (no step is queued while the driver waits for a batch)."""
+        if self.transport == "nccl":
+            raise RunStopped(
+                f"engine{i} was restarted and serves weights version {served}, older than the run's "
+                f"{self.engines_version}: the nccl transport cannot bring a restarted engine into its weight "
+                f"group, and groups sampled with its weights are all stale.\n{self._resume_hint()}")
+        print(f"agentrl: engine{i} was restarted and serves weights version {served}, older than the run's "
+              f"{self.engines_version}; loading the current weights (version {self.version}) into it",
+              file=sys.stderr, flush=True)
+        if self.watchdog is not None:
+            self._restart_grace()  # this wait spanned the restart: not a usual batch time
+        payload = self._export()
+        if self.transport == "object_store":
+            ray.get(self.replay.stage_weights.remote(self.version, [payload]))
+        else:
+            payload = ray.get(payload)
+        try:
+            self._get("refit", self.engines[i].update_weights.remote(payload, self.version, self.cfg.refit.mode),
+                      f"engine{i}.update_weights (catching up a restarted engine)", focus=(f"engine{i}",))
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
+            self.engines_unavailable_at_refit += 1  # died again: it is asked again once it answers
+        finally:
+            if self.transport != "object_store":
+                self._release_ref = self.learner.release_refit.remote()
+        self.num_engine_catch_ups += 1
 
     def _start_teachers(self, engine_actor: Any) -> list[Any]:
         """On-policy distillation: the teacher's engines, never refit. They score whole
@@ -430,6 +520,7 @@ class Trainer:
                 self._broadcast_ref = self.learner.broadcast_weights.remote()
             self._load_engines(payload, version)
         ray.get(self.replay.set_weights_version.remote(version))
+        self.engines_version = version
         if self.transport != "object_store":
             # Not waited for: with the learner stepping beside the engines (split placement) the
             # release queues behind its step, which held admission at the old version and counted
@@ -718,6 +809,9 @@ class Trainer:
         from agentrl.actors.watchdog import Watchdog
 
         if self.watchdog is None or not self.cfg.watchdog.enabled:
+            while not ray.wait([take], timeout=2.0)[0]:
+                if not self.overlap_steps():
+                    self._check_engines()
             return ray.get(take)
         wd: Watchdog = self.watchdog
         k = self.cfg.replay.groups_per_step
@@ -728,6 +822,8 @@ class Trainer:
                 if ray.wait([take], timeout=min(2.0, max(0.0, end - time.perf_counter())))[0]:
                     return True
                 self._check_rollouts()
+                if not self.overlap_steps():  # (overlapped: a step waits on the learner for this batch)
+                    self._check_engines()
                 if time.perf_counter() >= end:
                     return False
 
@@ -798,6 +894,7 @@ class Trainer:
             "faults/engine_restarts": float(self.num_engine_restarts),
             "faults/rollout_restarts": float(self.num_rollout_restarts),
             "faults/refit_retries": float(self.num_refit_retries),
+            "faults/engine_catch_ups": float(self.num_engine_catch_ups),
         }
 
     def shutdown(self) -> None:

@@ -257,3 +257,65 @@ def _config(tmp_path) -> list[str]:
     cfg = tmp_path / "chaos.yaml"
     cfg.write_text("")
     return [str(cfg)]
+
+
+def test_engine_killed_without_staged_weights_gets_the_current_ones(tiny_model_dir, tmp_path):
+    """The GPU chaos run's second fault on CPU (issue 33): the engine SIGKILLed while the driver
+    waits for a batch, restarted by Ray with nothing staged for it (as under CUDA IPC or NCCL,
+    which stage no weights), so it comes up with its start weights. Strictly on-policy
+    (``max_staleness=0``): only groups it samples can make the next batch. The driver must load
+    the current weights into it and the run must finish its steps; before the fix every group it
+    made was dropped as stale and the run waited forever, the watchdog silent (the stale drops
+    counted as progress)."""
+    import ray
+
+    from agentrl.trainer import Trainer
+
+    run_dir = tmp_path / "run"
+    steps = 5
+    cfg = load_config(None, e2e_overrides(
+        tiny_model_dir, run_dir, f"train.num_steps={steps}", "replay.max_staleness=0", "watchdog.floor_s=20",
+        "watchdog.first_s=300", "watchdog.ping_timeout_s=5", "watchdog.min_samples=2"))
+    start_ray()
+    trainer = Trainer(cfg, progress=False)
+    out: dict = {}
+    load_engines = trainer._load_engines
+
+    def killing(payload, version):
+        load_engines(payload, version)
+        if version == 2:  # the engines serve version 2 now; take it from them as a GPU transport would
+            ray.get(trainer.replay.stage_weights.remote(version, []))
+            pid = ray.get(trainer.engines[0].pid.remote())
+            os.kill(pid, signal.SIGKILL)
+            out["killed"] = (pid, time.perf_counter())
+
+    trainer._load_engines = killing
+
+    def run():
+        try:
+            out["summary"] = trainer.run()
+        except Exception as exc:  # noqa: BLE001 (asserted on below)
+            out["error"] = f"{type(exc).__name__}: {exc}"
+
+    runner = threading.Thread(target=run, daemon=True)
+    try:
+        trainer.start()
+        runner.start()
+        runner.join(timeout=900)  # the engine's restart is a vLLM start (a minute, several on a loaded machine)
+        assert not runner.is_alive(), (f"no step since the kill: steps done {_steps(run_dir)}, "
+                                       f"faults {trainer._fault_metrics()}, last report:\n{trainer.watchdog.last_report}")
+        faults = trainer._fault_metrics()
+        pid = ray.get(trainer.engines[0].pid.remote(), timeout=120)
+        engine_version = ray.get(trainer.engines[0].version.remote(), timeout=120)
+    finally:
+        if not runner.is_alive():
+            trainer.shutdown()
+        ray.shutdown()
+    assert "error" not in out, out["error"][-4000:]
+    rows = [r for r in read_rows(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert "killed" in out and pid != out["killed"][0]  # restarted, in a new process
+    assert faults["faults/engine_catch_ups"] == 1  # the restarted engine only (a ping read late is no restart)
+    assert engine_version == trainer.version == steps
+    # trained on fresh groups only: the restarted engine's stale ones were dropped, never consumed
+    assert all(r["replay/staleness_max"] == 0 for r in rows)
