@@ -443,7 +443,7 @@ async def main(args) -> dict:
                              max_model_len=cfg.engine.max_model_len)
     await endpoint.start()
     print(f"model {model} ({dtype}, engine start {report['engine_start_s']:.0f} s); {args.requests} round trips, "
-          f"{args.groups} groups x {cfg.rollout.group_size} per path per rep ({work})", flush=True)
+          f"throughput ({work}) at {args.sweep or args.groups} groups x {cfg.rollout.group_size}", flush=True)
 
     def as_json(rt):
         return {"p50_ms": {k: rt[k][0] for k in ROWS}, "p90_ms": {k: rt[k][1] for k in ROWS},
