@@ -212,35 +212,42 @@ class AgentEndpoint:
         self.base_url = ""
         self._server: Any = None
         self._task: asyncio.Task | None = None
+        self._start_lock: asyncio.Lock | None = None
         self._app = self._build_app()
 
     # -- lifecycle --------------------------------------------------------------------------------
     async def start(self) -> str:
-        """Serve on ``agent.host`` at a free port in the running event loop; returns the base URL."""
-        if self._task is not None:
+        """Serve on ``agent.host`` at a free port in the running event loop; returns the base URL.
+        Concurrent calls (a rollout worker's first groups all ask for the endpoint at once) wait
+        for the one server and get its URL."""
+        if self._start_lock is None:
+            self._start_lock = asyncio.Lock()
+        async with self._start_lock:
+            if self._task is not None:
+                return self.base_url
+            # proto=IPPROTO_TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections
+            # accepted from a socket that says it is TCP. With proto 0, a response's header and body
+            # writes wait on the client's delayed ACK: +40 ms on every request of a kept-alive
+            # connection after its first (bench/agent_endpoint.py). Set on the listening socket too,
+            # which accepted sockets inherit.
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.bind((self.agent.host, self.agent.port))
+            port = sock.getsockname()[1]
+            # proxy_headers off: no proxy stands in front (and a client may not pose as another address).
+            config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
+                                    timeout_keep_alive=30, limit_concurrency=None, proxy_headers=False)
+            server = _QuietServer(config)
+            task = asyncio.get_running_loop().create_task(server.serve(sockets=[sock]))
+            while not server.started:
+                if task.done():
+                    task.result()  # re-raises why it stopped
+                    raise RuntimeError("the agent endpoint stopped before it started")
+                await asyncio.sleep(0.01)
+            self._server, self._task = server, task
+            self.base_url = f"http://{self.agent.host}:{port}/v1"
             return self.base_url
-        # proto=IPPROTO_TCP: asyncio turns Nagle's algorithm off (TCP_NODELAY) only on connections
-        # accepted from a socket that says it is TCP. With proto 0, a response's header and body
-        # writes wait on the client's delayed ACK: +40 ms on every request of a kept-alive
-        # connection after its first (bench/agent_endpoint.py). Set on the listening socket too,
-        # which accepted sockets inherit.
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.bind((self.agent.host, self.agent.port))
-        port = sock.getsockname()[1]
-        # proxy_headers off: no proxy stands in front (and a client may not pose as another address).
-        config = uvicorn.Config(self._app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_keep_alive=30, limit_concurrency=None, proxy_headers=False)
-        self._server = _QuietServer(config)
-        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
-        while not self._server.started:
-            if self._task.done():
-                self._task.result()  # re-raises why it stopped
-                raise RuntimeError("the agent endpoint stopped before it started")
-            await asyncio.sleep(0.01)
-        self.base_url = f"http://{self.agent.host}:{port}/v1"
-        return self.base_url
 
     async def stop(self) -> None:
         if self._server is not None:
@@ -248,10 +255,13 @@ class AgentEndpoint:
         if self._task is not None:
             await self._task
         self._task = self._server = None
+        self.base_url = ""
 
     # -- episodes ---------------------------------------------------------------------------------
     def open_episode(self, episode_id: str, *, temperature: float) -> EndpointEpisode:
         """A new episode with its own API key (requests with it go to this episode only)."""
+        if not self.base_url:  # its base URL would be a relative path no client can reach
+            raise RuntimeError("the agent endpoint is not serving: await start() before opening episodes")
         key = "agentrl-" + secrets.token_urlsafe(24)
         slot = secrets.token_hex(6)  # the episode's own base URL: a key sent to another episode's URL is refused
         root = self.base_url.removesuffix("/v1")

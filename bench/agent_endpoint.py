@@ -10,6 +10,20 @@
 
     python bench/agent_endpoint.py [--model .cache/quickstart-sft] [--requests 200] [--groups 12]
 
+3. With ``--shape 0.5b`` (or ``1.5b``; ``cpu`` is a small stand-in that runs on a CPU) the model is
+   a Qwen2.5-shaped checkpoint with random weights and the tiny tokenizer, made on the spot (on the
+   GPU when there is one: sampling then costs what it does for users of that size), and the
+   throughput part runs ``--work turns``: every episode makes ``--turns`` requests of
+   ``--max-tokens`` tokens (a random model never calls a tool, so the Calculator's episodes would
+   make one request each), the env path through ``TurnsEnv``, the endpoint path through
+   ``turns_solve`` (a plain openai-SDK loop), with the same messages by seed. Then the torch
+   learner's logprobs of both paths' trajectories are compared with the engine's (mean |delta|).
+   ``--out`` writes every figure as JSON.
+
+    python bench/agent_endpoint.py --shape 0.5b --out $OUT/endpoint.json     # GPU: bench/device_endpoint.sh
+    python bench/agent_endpoint.py --shape cpu --requests 3 --warmup 1 --group-size 2 --turns 2 --max-tokens 8 \
+        --sweep 1x8,2x4 --out /tmp/endpoint_cpu.json                                 # its logic, on CPU
+
 The "before" row turns Nagle's algorithm back on for the endpoint's connections, as they were
 until the endpoint's listening socket was made with proto=IPPROTO_TCP (asyncio sets TCP_NODELAY
 only on such sockets' connections): the same endpoint, the fix off, in the same run.
@@ -29,6 +43,100 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+
+SHAPES = {  # Qwen2.5 shapes (tied embeddings, 151,936-token vocabulary); "cpu" is a small stand-in
+    "cpu": {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2},
+    "0.5b": {"hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+             "num_key_value_heads": 2},
+    "1.5b": {"hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28, "num_attention_heads": 12,
+             "num_key_value_heads": 2},
+}
+
+
+def make_shape_model(out: Path, shape: str) -> str:
+    """Random Qwen2.5-``shape`` weights with the tiny tokenizer, in HF format (bf16 on a GPU,
+    float32 on CPU). The sampled ids past the tokenizer's 749 decode to nothing: text the
+    endpoint returns is short, the tokens are all recorded and trained as sampled."""
+    import json
+
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from agentrl.tiny import bootstrap_tiny
+
+    key = json.dumps(SHAPES[shape], sort_keys=True)
+    if (out / "shape.json").is_file() and (out / "shape.json").read_text() == key:
+        return str(out)
+    bootstrap_tiny(out)  # tokenizer + chat template; the model files are replaced below
+    cuda = torch.cuda.is_available()
+    config = Qwen2Config(vocab_size=151936, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                         tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
+                         pad_token_id=0, **SHAPES[shape])
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = Qwen2ForCausalLM(config).to(torch.bfloat16 if cuda else torch.float32)
+    for f in out.glob("model*.safetensors"):
+        f.unlink()
+    model.save_pretrained(out, safe_serialization=True)
+    (out / "shape.json").write_text(key)
+    del model
+    if cuda:
+        torch.cuda.empty_cache()
+    return str(out)
+
+
+def turns_words(seed: int, turn: int) -> str:
+    """The observation after reply ``turn`` of the episode of ``seed`` (both paths: same text)."""
+    import random
+
+    rng = random.Random(seed * 1000 + turn)
+    return "Go on. " + " ".join(rng.choice(["red", "green", "blue", "seven", "eight"]) for _ in range(12))
+
+
+def turns_tasks(seed: int) -> dict:
+    """--work turns: the task of ``seed`` (the first user message)."""
+    return {"seed": seed, "question": f"Task {seed}: " + turns_words(seed, -1)}
+
+
+TURNS = {"n": 4, "max_tokens": 64}  # set by main from --turns / --max-tokens (the agent reads them)
+
+
+async def turns_solve(client, task: dict) -> float:
+    """--work turns, the endpoint path: a plain openai-SDK loop of TURNS["n"] requests, each
+    followed by a user message, as TurnsEnv does on the env path."""
+    messages = [{"role": "user", "content": task["question"]}]
+    for turn in range(TURNS["n"]):
+        response = await client.chat.completions.create(model="agentrl-policy", messages=messages,
+                                                        max_tokens=TURNS["max_tokens"])
+        messages.append(response.choices[0].message.model_dump(exclude_none=True))
+        if turn + 1 < TURNS["n"]:
+            messages.append({"role": "user", "content": turns_words(task["seed"], turn)})
+    return float(len(messages[-1].get("content") or "") % 2)
+
+
+def turns_env(turns: int):
+    """--work turns, the env path: TURNS["n"] replies per episode, a user message after each but the last."""
+    import random
+
+    from agentrl.envs.base import TextEnv, Turn
+
+    class TurnsEnv(TextEnv):
+        def new_task(self, rng: random.Random, options: dict) -> list[dict]:
+            self._seed = self._episode_seed
+            return [{"role": "user", "content": turns_tasks(self._seed)["question"]}]
+
+        def reset(self, *, seed=None, options=None):
+            self._episode_seed = seed
+            return super().reset(seed=seed, options=options)
+
+        def respond(self, action: str) -> Turn:
+            if self.num_turns >= turns:
+                return Turn([], reward=float(len(action) % 2), terminated=True, success=True)
+            return Turn([{"role": "user", "content": turns_words(self._seed, self.num_turns - 1)}], reward=0.0)
+
+    return TurnsEnv(max_turns=turns)
 
 
 class Direct:
@@ -70,7 +178,7 @@ LABELS = {
 }
 
 
-async def bare_echo(engine, ids) -> tuple[str, object]:
+async def bare_echo(engine, ids, tokens: int = 16) -> tuple[str, object]:
     """The floor of any HTTP endpoint here: a bare ASGI app on uvicorn (same socket options as the
     endpoint) that reads the body, makes the direct engine call on ``ids`` and answers a fixed
     small JSON object: HTTP parsing, the event loop hops and the loopback, no endpoint logic."""
@@ -90,7 +198,7 @@ async def bare_echo(engine, ids) -> tuple[str, object]:
         more = True
         while more:
             more = (await receive()).get("more_body", False)
-        out = await engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0)
+        out = await engine.generate(ids, max_tokens=tokens, temperature=0.0, top_p=1.0)
         body = b'{"usage": {"completion_tokens": %d}}' % len(out.token_ids)
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": body})
@@ -105,11 +213,11 @@ async def bare_echo(engine, ids) -> tuple[str, object]:
     return f"http://127.0.0.1:{sock.getsockname()[1]}/v1", (server, task)
 
 
-async def round_trips(endpoint, engine, renderer, n: int) -> dict:
-    """The same greedy request made ``n`` times (after 10 warm-ups) each way, interleaved. Every
-    endpoint request is a new segment (an agent's first call), whose prompt the renderer has
-    cached from the untimed request before it (as a GRPO group's episodes share their first
-    prompt), except in the "cold" row, where the cache is emptied first; the kept-alive clients
+async def round_trips(endpoint, engine, renderer, n: int, warmup: int = 10, tokens: int = 16) -> dict:
+    """The same greedy request (``tokens`` out) made ``n`` times (after ``warmup`` untimed ones) each
+    way, interleaved. Every endpoint request is a new segment (an agent's first call), whose prompt
+    the renderer has cached from the untimed request before it (as a GRPO group's episodes share
+    their first prompt), except in the "cold" row, where the cache is emptied first; the kept-alive clients
     reuse one connection, as an agent's client does across its calls."""
     import httpx
     import openai
@@ -118,7 +226,7 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
 
     messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": tasks(1)["question"]}]
     ids = renderer.prompt_ids(messages, TOOLS)
-    body = {"model": "agentrl-policy", "messages": messages, "tools": TOOLS, "max_tokens": 16}
+    body = {"model": "agentrl-policy", "messages": messages, "tools": TOOLS, "max_tokens": tokens}
     times: dict[str, list[float]] = {k: [] for k in ROWS}
     # CPU seconds of this process (client, endpoint and vLLM's front end; the engine core is a
     # process of its own) per request: the endpoint's own cost, robust to a loaded machine.
@@ -129,7 +237,7 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
         c0, t0 = time.process_time(), time.perf_counter()
         out = await fn()
         c1, t1 = time.process_time(), time.perf_counter()
-        if k >= 10:  # warm-up
+        if k >= warmup:
             times[row].append(t1 - t0)
             cpu[row].append(c1 - c0)
         return out
@@ -148,11 +256,11 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
         finally:
             endpoint.close_episode(ep)
 
-    echo_url, (echo, echo_task) = await bare_echo(engine, ids)
+    echo_url, (echo, echo_task) = await bare_echo(engine, ids, tokens)
     sdk = openai.AsyncOpenAI(base_url="http://unused/v1", api_key="unused", max_retries=0)
     async with httpx.AsyncClient(timeout=300) as hx, httpx.AsyncClient(timeout=300) as slow:
-        for k in range(n + 10):
-            out = await timed("direct", k, lambda: engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0))
+        for k in range(n + warmup):
+            out = await timed("direct", k, lambda: engine.generate(ids, max_tokens=tokens, temperature=0.0, top_p=1.0))
             await hx.post(echo_url + "/chat/completions", json=body)  # as via_endpoint: after another request
             re_ = await timed("echo", k, lambda: hx.post(echo_url + "/chat/completions", json=body))
             r = await via_endpoint("httpx", k, lambda ep: hx.post(
@@ -175,7 +283,7 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
                       resp.usage.completion_tokens,
                       resp2.usage.completion_tokens, r2.json()["usage"]["completion_tokens"]))
             if k % 10 == 9:
-                print(f"  round trip {k + 1}/{n + 10}: " + ", ".join(
+                print(f"  round trip {k + 1}/{n + warmup}: " + ", ".join(
                     f"{row} {1e3 * times[row][-1]:.1f} ms" for row in ROWS if times[row]), flush=True)
     await sdk.close()
     echo.should_exit = True
@@ -188,29 +296,34 @@ async def round_trips(endpoint, engine, renderer, n: int) -> dict:
     return res
 
 
-async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int) -> dict:
-    import gymnasium as gym
-
+async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, *, work: str = "calculator",
+                     reps: int = 2, keep: list | None = None) -> dict:
+    """Both paths on the same tasks by seed, alternating, ``reps`` times each. ``keep``: a list
+    that gets (path, trajectory) pairs (for the logprob agreement)."""
     import agentrl.envs  # noqa: F401
-    from agentrl.agents import load_agent, run_agent_group
+    import gymnasium as gym
     from agentrl.envs.base import set_tool_parser
+
+    from agentrl.agents import load_agent, run_agent_group
     from agentrl.rollout import run_group, widen_env_threads
 
     widen_env_threads(64)
     agent = load_agent(cfg.agent)
 
     def make_env():
+        if work == "turns":
+            return turns_env(TURNS["n"])
         env = gym.make("agentrl/Calculator-v0")
         set_tool_parser(env, tool_parser)
         return env
 
     client = Direct(engine)
-    res = {"env": [0.0, 0, 0], "endpoint": [0.0, 0, 0]}  # seconds, trajectories, sampled tokens
-    for rep in range(2):
-        for path in ("env", "endpoint") if rep == 0 else ("endpoint", "env"):
+    res = {"env": [0.0, 0, 0, 0], "endpoint": [0.0, 0, 0, 0]}  # seconds, trajectories, sampled tokens, requests
+    for rep in range(reps):
+        for path in ("env", "endpoint") if rep % 2 == 0 else ("endpoint", "env"):
             t0 = time.perf_counter()
 
-            async def one(seed):
+            async def one(seed, path=path):
                 if path == "env":
                     return await run_group(make_env, renderer, client, seed=seed, cfg=cfg.rollout, group_id=seed,
                                            max_model_len=cfg.engine.max_model_len)
@@ -221,8 +334,39 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int) 
             trajs = [t for g in done for t in g.trajectories]
             res[path][1] += len(trajs)
             res[path][2] += sum(t.num_sampled_tokens for t in trajs)
+            res[path][3] += sum(len(t.turn_spans) for t in trajs)
             assert not [t for t in trajs if t.status == "failed"], [t.info for t in trajs if t.status == "failed"][:3]
+            if keep is not None and rep == 0:
+                keep += [(path, t) for t in trajs]
     return res
+
+
+def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
+    """The torch learner's logprob of every sampled token of ``per_path`` trajectories of each path
+    (Hugging Face forward, the learner's padded_token_logprobs) against the engine's: mean and max |delta|."""
+    import torch
+
+    from agentrl.learners.hf_forward import padded_token_logprobs
+    from agentrl.models import load_hf_model
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    net = load_hf_model(model, dtype, device).eval()
+    out = {}
+    for path in ("env", "endpoint"):
+        trajs = [t for p, t in kept if p == path][:per_path]
+        diffs = []
+        for k in range(0, len(trajs), 8):
+            batch = trajs[k:k + 8]
+            with torch.no_grad():
+                lp = padded_token_logprobs(net, [t.token_ids for t in batch]).float().cpu()
+            for row, t in zip(lp, batch):
+                diffs += [abs(b - float(row[i])) for i, (m, b) in enumerate(zip(t.loss_mask, t.behavior_logprobs)) if m]
+        out[path] = {"trajectories": len(trajs), "tokens": len(diffs), "mean_abs": statistics.fmean(diffs),
+                     "max_abs": max(diffs)}
+    del net
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
 
 
 class Instant:
@@ -245,7 +389,12 @@ def show(title: str, rt: dict) -> None:
           "call made just before it; CPU: this process's CPU time per request, p50)")
 
 
-async def main(args) -> None:
+async def main(args) -> dict:
+    import importlib
+    import json
+    import platform
+
+    import torch
     from transformers import AutoTokenizer
 
     from agentrl.chat import ChatRenderer
@@ -254,51 +403,143 @@ async def main(args) -> None:
     from agentrl.engines.vllm_engine import VLLMEngine
     from agentrl.tool_calls import build_tool_parser
 
+    cuda = torch.cuda.is_available()
+    t_start = time.perf_counter()
     model = args.model
-    if not (Path(model) / "config.json").is_file():
+    if args.shape:
+        model = make_shape_model(Path(args.workdir) / f"qwen2.5-{args.shape}-shape", args.shape)
+    elif not (Path(model) / "config.json").is_file():
         from agentrl.tiny import bootstrap_tiny
 
         model = str(bootstrap_tiny(Path("/tmp/agentrl-bench-tiny")))
-    cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-        f"model.path={model}", "agent.solve=examples.calculator_agent:solve",
-        "agent.tasks=examples.calculator_agent:tasks"])
+    work = args.work or ("turns" if args.shape else "calculator")
+    dtype = "bfloat16" if cuda else "float32"
+    overrides = [f"model.path={model}", "agent.solve=examples.calculator_agent:solve",
+                 "agent.tasks=examples.calculator_agent:tasks"]
+    if work == "turns":
+        # the agent is loaded by name (agent.solve): the module's copy of TURNS is the one it reads
+        for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
+            mod.TURNS.update(n=args.turns, max_tokens=args.max_tokens)
+        overrides = [f"model.path={model}", "agent.solve=bench.agent_endpoint:turns_solve",
+                     "agent.tasks=bench.agent_endpoint:turns_tasks", f"rollout.max_turns={args.turns}",
+                     f"rollout.max_new_tokens={args.max_tokens}", f"rollout.temperature={args.temperature}",
+                     f"rollout.group_size={args.group_size}", "rollout.max_total_tokens=4096",
+                     "engine.max_model_len=4096", "agent.timeout_s=600", "agent.request_timeout_s=600"]
+    if cuda:
+        overrides += ["engine.num_gpus=1", f"engine.gpu_memory_utilization={args.gpu_memory_utilization}",
+                      "engine.max_num_seqs=256", f"engine.enforce_eager={str(args.eager).lower()}"]
+    cfg = load_config(REPO / "configs" / "quickstart.yaml", overrides)
     tok = AutoTokenizer.from_pretrained(model)
     renderer = ChatRenderer(tok)
     parser = build_tool_parser(cfg.rollout.tool_parser, model, tok)
-    engine = VLLMEngine(model, cfg.engine, seed=0)
+    engine = VLLMEngine(model, cfg.engine, seed=0, dtype=dtype)
+    t0 = time.perf_counter()
     await engine.start()
+    report: dict = {"model": model, "shape": args.shape, "work": work, "dtype": dtype,
+                    "device": torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+                    "enforce_eager": cfg.engine.enforce_eager, "engine_start_s": time.perf_counter() - t0,
+                    "setup_s": time.perf_counter() - t_start, "requests": args.requests}
     endpoint = AgentEndpoint(renderer, parser, Direct(engine), rollout=cfg.rollout, agent=cfg.agent,
                              max_model_len=cfg.engine.max_model_len)
     await endpoint.start()
-    print(f"model {model}; {args.requests} round trips, {args.groups} groups x {cfg.rollout.group_size} per path per rep")
-    rt = await round_trips(endpoint, engine, renderer, args.requests)
-    show(f"round trip, same greedy request ({rt['tokens']} tokens out), {args.requests} each, interleaved", rt)
-    # The endpoint alone: an engine that answers at once with the tokens the real one sampled.
-    from examples.calculator_agent import SYSTEM, TOOLS, tasks
+    print(f"model {model} ({dtype}, engine start {report['engine_start_s']:.0f} s); {args.requests} round trips, "
+          f"throughput ({work}) at {args.sweep or args.groups} groups x {cfg.rollout.group_size}", flush=True)
 
-    ids = renderer.prompt_ids([{"role": "system", "content": SYSTEM},
-                               {"role": "user", "content": tasks(1)["question"]}], TOOLS)
-    instant = Instant(await engine.generate(ids, max_tokens=16, temperature=0.0, top_p=1.0))
-    alone = AgentEndpoint(renderer, parser, instant, rollout=cfg.rollout, agent=cfg.agent,
-                          max_model_len=cfg.engine.max_model_len)
-    await alone.start()
-    rt = await round_trips(alone, instant, renderer, args.requests)
-    show("the endpoint alone: the same request, an engine that answers at once", rt)
-    await alone.stop()
-    tp = await throughput(endpoint, engine, renderer, parser, cfg, args.groups)
-    print("\nthroughput at equal work (Calculator, same seeds, temperature "
-          f"{cfg.rollout.temperature}, 2 reps alternating):")
-    for k, (s, n, toks) in tp.items():
-        print(f"  {k:9s} {n} trajectories, {toks} sampled tokens in {s:.1f} s: {n / s:.2f} traj/s, {toks / s:.0f} tok/s")
-    e, a = tp["env"], tp["endpoint"]
-    print(f"  endpoint / env: {(a[1] / a[0]) / (e[1] / e[0]):.3f} (trajectories/s), "
-          f"{(a[2] / a[0]) / (e[2] / e[0]):.3f} (sampled tokens/s)")
+    def as_json(rt):
+        return {"p50_ms": {k: rt[k][0] for k in ROWS}, "p90_ms": {k: rt[k][1] for k in ROWS},
+                "added_p50_ms": {k: rt[k][0] - rt["direct"][0] for k in ROWS}, "paired_ms": rt["paired"],
+                "cpu_ms": rt["cpu"], "tokens": rt["tokens"]}
+
+    rt_tokens = min(16, cfg.rollout.max_new_tokens)  # the round trips' greedy request
+    if args.requests:
+        rt = await round_trips(endpoint, engine, renderer, args.requests, args.warmup, rt_tokens)
+        show(f"round trip, same greedy request ({rt['tokens']} tokens out), {args.requests} each, interleaved", rt)
+        report["round_trip"] = as_json(rt)
+        # The endpoint alone: an engine that answers at once with the tokens the real one sampled.
+        from examples.calculator_agent import SYSTEM, TOOLS, tasks
+
+        ids = renderer.prompt_ids([{"role": "system", "content": SYSTEM},
+                                   {"role": "user", "content": tasks(1)["question"]}], TOOLS)
+        instant = Instant(await engine.generate(ids, max_tokens=rt_tokens, temperature=0.0, top_p=1.0))
+        alone = AgentEndpoint(renderer, parser, instant, rollout=cfg.rollout, agent=cfg.agent,
+                              max_model_len=cfg.engine.max_model_len)
+        await alone.start()
+        rt = await round_trips(alone, instant, renderer, args.requests, args.warmup, rt_tokens)
+        show("the endpoint alone: the same request, an engine that answers at once", rt)
+        report["round_trip_instant_engine"] = as_json(rt)
+        await alone.stop()
+    kept: list = []
+    # --sweep GROUPSxTOKENS,...: the throughput part at several loads (concurrent episodes) and
+    # request lengths, on the same engine; default one point, --groups x --max-tokens.
+    points = [tuple(int(x) for x in p.split("x")) for p in args.sweep.split(",")] if args.sweep else \
+        [(args.groups, args.max_tokens)]
+    if work != "turns":
+        points = [(args.groups, cfg.rollout.max_new_tokens)]
+    report["throughput"] = []
+    for groups, max_tokens in points:
+        if work == "turns":
+            cfg.rollout.max_new_tokens = max_tokens  # the env path's cap and the endpoint's (same object)
+            for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
+                mod.TURNS.update(max_tokens=max_tokens)
+        tp = await throughput(endpoint, engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
+                              keep=kept if not kept else None)
+        print(f"\nthroughput at equal work ({work}: {groups} groups x {cfg.rollout.group_size} episodes"
+              + (f" x {args.turns} requests x {max_tokens} tokens" if work == "turns" else "")
+              + f", same seeds, temperature {cfg.rollout.temperature}, {args.reps} reps alternating):")
+        for k, (secs, n, toks, reqs) in tp.items():
+            print(f"  {k:9s} {n} trajectories, {reqs} requests, {toks} sampled tokens in {secs:.1f} s: "
+                  f"{n / secs:.2f} traj/s, {toks / secs:.0f} tok/s")
+        e, a = tp["env"], tp["endpoint"]
+        ratio = {"trajectories_per_s": (a[1] / a[0]) / (e[1] / e[0]),
+                 "sampled_tokens_per_s": (a[2] / a[0]) / (e[2] / e[0])}
+        print(f"  endpoint / env: {ratio['trajectories_per_s']:.3f} (trajectories/s), "
+              f"{ratio['sampled_tokens_per_s']:.3f} (sampled tokens/s)", flush=True)
+        point = {k: {"seconds": secs, "trajectories": n, "sampled_tokens": toks, "requests": reqs,
+                     "trajectories_per_s": n / secs, "sampled_tokens_per_s": toks / secs}
+                 for k, (secs, n, toks, reqs) in tp.items()}
+        point.update(endpoint_over_env=ratio, groups=groups, group_size=cfg.rollout.group_size, reps=args.reps,
+                     concurrent_episodes=groups * cfg.rollout.group_size, temperature=cfg.rollout.temperature,
+                     turns=args.turns if work == "turns" else None, max_tokens=max_tokens)
+        report["throughput"].append(point)
     await endpoint.stop()
+    engine.shutdown()
+    if args.agreement and cfg.rollout.temperature == 1.0:
+        ag = agreement(model, dtype, kept)
+        for path, r in ag.items():
+            print(f"  engine vs torch learner logprobs, {path} path: {r['tokens']} tokens of {r['trajectories']} "
+                  f"trajectories, mean |delta| {r['mean_abs']:.5f}, max {r['max_abs']:.4f}", flush=True)
+        report["agreement"] = ag
+    elif args.agreement:
+        print("  (no logprob agreement: the engine's logprobs are tempered unless rollout.temperature is 1.0)")
+    report["wall_s"] = time.perf_counter() - t_start
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.out}")
+    return report
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=str(REPO / ".cache" / "quickstart-sft"))
-    p.add_argument("--requests", type=int, default=200)
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a Qwen2.5-shaped model with random weights, made on the spot (ignores --model)")
+    p.add_argument("--workdir", default="/tmp/agentrl-bench-endpoint", help="where --shape's model is written")
+    p.add_argument("--work", choices=("calculator", "turns"), default=None,
+                   help="throughput workload (default: turns with --shape, else calculator)")
+    p.add_argument("--requests", type=int, default=200, help="round trips per row (0: skip the round trips)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed round trips before the timed ones")
     p.add_argument("--groups", type=int, default=12)
+    p.add_argument("--group-size", type=int, default=8, help="--work turns: episodes per group")
+    p.add_argument("--reps", type=int, default=2)
+    p.add_argument("--turns", type=int, default=4, help="--work turns: requests per episode")
+    p.add_argument("--max-tokens", type=int, default=64, help="--work turns: tokens per request")
+    p.add_argument("--sweep", default=None,
+                   help="--work turns: throughput at several points GROUPSxTOKENS,... (e.g. 16x128,32x64)")
+    p.add_argument("--temperature", type=float, default=1.0, help="--work turns: sampling temperature")
+    p.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
+                   help="compare the engine's logprobs with the torch learner's (temperature 1.0 only)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    p.add_argument("--eager", action="store_true", help="GPU: vLLM without torch.compile and CUDA graphs")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
     asyncio.run(main(p.parse_args()))

@@ -6,6 +6,7 @@ tests/test_endpoint_e2e.py do the same against the real vLLM engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import uuid
 
@@ -278,6 +279,44 @@ def test_prompt_over_the_budget_and_turn_limit(tiny_model_dir):
         r = _raw(endpoint, ep2.api_key, GOOD)
         assert r.status_code == 400 and r.json()["error"]["code"] == "turn_limit_exceeded"
         assert ep2.truncated_by == "turns" and len(sampler.calls["turns"]) == 2
+    finally:
+        server.run(endpoint.stop())
+        server.close()
+
+
+def test_concurrent_starts_serve_every_episode_from_the_one_server(tiny_model_dir):
+    """A rollout worker's first groups all ask for its endpoint at once (the before-RL evaluation
+    starts 32 episodes together): every caller must wait for the one server and get its URL. The
+    old start() returned at once to every caller but the first, while the server was starting, with
+    an empty base URL: those episodes' clients got a relative URL and their agents raised (31 of
+    the 128 before-RL eval episodes of the fresh-clone calculator_agent run were `failed`)."""
+    from transformers import AutoTokenizer
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
+    sampler = RecordingSampler(renderer, kinds=("text",))
+    server = ServerThread()
+    endpoint = make_endpoint(renderer, sampler)
+
+    async def first_groups():
+        async def one(i):
+            await endpoint.start()  # as RolloutWorker.endpoint() does for each group
+            return await endpoint.start(), endpoint.open_episode(f"early-{i}", temperature=1.0)
+
+        return await asyncio.gather(*[one(i) for i in range(16)])
+
+    try:
+        opened = server.run(first_groups())
+        assert endpoint.base_url.startswith("http://")
+        assert {url for url, _ in opened} == {endpoint.base_url}
+        root = endpoint.base_url.removesuffix("/v1")
+        assert all(ep.base_url.startswith(root + "/e/") for _, ep in opened), [ep.base_url for _, ep in opened]
+        for _, ep in opened[:2] + opened[-2:]:
+            r = client(ep).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+            assert r.choices[0].message.content is not None
+        assert len(sampler.calls) == 4
+        server.run(endpoint.stop())
+        with pytest.raises(RuntimeError, match="not serving"):  # no episode with a URL nothing serves
+            endpoint.open_episode("after-stop", temperature=1.0)
     finally:
         server.run(endpoint.stop())
         server.close()
