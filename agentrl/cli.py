@@ -91,8 +91,21 @@ def _print_summary(summary: dict, run_dir: str) -> None:
     print(f"run directory: {run_dir} (metrics.jsonl, summary.json, tensorboard/, checkpoints/; `agentrl plot {run_dir}`)")
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """Parse the command line; dotted overrides may also come after the options
+    (``agentrl train CFG --no-progress seed=1``), which argparse alone refuses."""
+    parser = _parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest:
+        if hasattr(args, "overrides") and all("=" in r and not r.startswith("-") for r in rest):
+            args.overrides = [*args.overrides, *rest]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         if args.command == "train":
             cfg = _load(args)

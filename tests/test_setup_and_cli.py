@@ -74,3 +74,18 @@ def test_bootstrap_tiny_model_and_template(tiny_model_dir):
 def test_cli_missing_files_are_clear_errors(argv):
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", *argv], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 2 and ("not found" in out.stderr or "not a Hugging Face model" in out.stderr), out.stderr
+
+
+def test_cli_takes_overrides_after_the_options(capsys):
+    """`agentrl train CFG --print-config seed=3` (a device script appends its overrides after
+    `--no-progress`): the overrides are applied, wherever they stand; a stray option still fails."""
+    from agentrl.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["train", "configs/quickstart.yaml", "--print-config", "seed=3", "replay.max_staleness=0"])
+    assert done.value.code == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["seed"] == 3 and printed["replay"]["max_staleness"] == 0
+    with pytest.raises(SystemExit) as refused:
+        main(["train", "configs/quickstart.yaml", "--print-config", "--no-such-flag"])
+    assert refused.value.code == 2
