@@ -18,9 +18,10 @@ The JSON is written after each phase and on SIGTERM, and every wait is bounded b
 JSON that says where (``hung``: the driver's stacks, the last watchdog report).
 
 ``--cpu`` runs the same faults in the same order on CPU (quickstart model, no colocation,
-object-store refits). An object-store refit is staged in the replay actor, where a restarted
-engine finds it; to mirror the GPU transports the staged weights are dropped before the kill
-(``--keep-staged`` keeps them).
+object-store refits, strictly on-policy so that groups queued before the kill cannot make the next
+batch). An object-store refit is staged in the replay actor, where a restarted engine finds it; to
+mirror the GPU transports the staged weights are dropped before the kill (``--keep-staged`` keeps
+them).
 
     python bench/device_chaos.py --out $OUT/device_chaos.json          # bash bench/device_chaos.sh
     python bench/device_chaos.py --cpu --out /tmp/chaos.json           # the same logic on CPU
@@ -156,8 +157,11 @@ def main() -> int:
               "eval.num_episodes=0", "watchdog.floor_s=20", "watchdog.first_s=600", "watchdog.ping_timeout_s=5",
               "watchdog.min_samples=2"]
     if args.cpu:
+        # strictly on-policy: no group queued before the kill can make the next batch, only ones the
+        # restarted engine samples (on the GPU run none queued sufficed either: no step came after it)
         cfg = load_config(str(REPO / "configs" / "quickstart.yaml"), [
-            *common, "rollout.group_size=4", "replay.groups_per_step=2", "replay.capacity=8", *args.overrides])
+            *common, "rollout.group_size=4", "replay.groups_per_step=2", "replay.capacity=8", "replay.max_staleness=0",
+            *args.overrides])
     else:
         cfg = load_config(str(REPO / "configs" / "gpu_1x.yaml"), [*common, *args.overrides])
     trainer = Trainer(cfg, progress=False)
