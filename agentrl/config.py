@@ -576,6 +576,12 @@ class DistillConfig(Section):
     only scoring the student's. The sampled-estimate advantage is then off (only
     reward_weight's task advantage stays in the policy-gradient term). At most 20 (vLLM's
     max_logprobs); torch learner only."""
+    top_k_direction: Literal["forward", "reverse"] = "forward"
+    """With top_k > 0: forward: KL(q_k || pi_student) as above (mass-covering: a student sharper
+    than its teacher is made as uncertain as the teacher). reverse: KL(pi_student || pi_teacher)
+    over k + 1 outcomes, the teacher's k tokens and one bucket for every other token (the
+    teacher's leftover mass 1 - sum of its top-k probabilities; the student's likewise):
+    mode-seeking, and the student's mass outside the teacher's top k is penalised."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task-reward (group-relative) advantage added to the distillation one;
     0: pure distillation, the env's rewards are not trained on."""

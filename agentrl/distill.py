@@ -105,11 +105,18 @@ def distill_token_advantages(
             for k, a, m in zip(kl, task_advantages, traj.loss_mask)]
 
 
-def top_k_kl(student_logprobs: "torch.Tensor", teacher_logprobs: "torch.Tensor") -> "torch.Tensor":
+def top_k_kl(student_logprobs: "torch.Tensor", teacher_logprobs: "torch.Tensor",
+             direction: str = "forward") -> "torch.Tensor":
     """Per-position ``KL(q ‖ π)`` with ``q = softmax(teacher_logprobs)`` over the last dim (the
     teacher's top k, renormalised) and ``student_logprobs`` the student's full-vocabulary
     logprobs of the same k ids: ``Σ_i q_i (log q_i − log π_i)`` (>= 0; 0 only when the student
     puts exactly q on those ids). Differentiable in ``student_logprobs``.
+
+    ``direction="reverse"``: ``KL(π ‖ π_T)`` over k + 1 outcomes, the k ids and one bucket for
+    every other token: ``Σ_i π_i (log π_i − log π_T,i) + π_rest (log π_rest − log π_T,rest)``,
+    ``π_rest = 1 − Σ_i π_i`` (likewise the teacher's, from its unnormalised top-k logprobs;
+    both floored at 1e-6 inside the log). It is at most the full reverse KL and equals it when
+    the k ids are the whole vocabulary.
 
     Example:
         >>> import torch
@@ -122,8 +129,17 @@ def top_k_kl(student_logprobs: "torch.Tensor", teacher_logprobs: "torch.Tensor")
     import torch
 
     dtype = torch.promote_types(student_logprobs.dtype, torch.float32)  # float64 stays float64
-    q_log = torch.log_softmax(teacher_logprobs.to(dtype), -1)
-    return (q_log.exp() * (q_log - student_logprobs.to(dtype))).sum(-1)
+    s_log, t_log = student_logprobs.to(dtype), teacher_logprobs.to(dtype)
+    if direction == "reverse":
+        p = s_log.exp()
+        p_rest = (1 - p.sum(-1)).clamp(min=0.0)
+        q_rest = (1 - t_log.exp().sum(-1)).clamp(min=0.0)
+        floor = 1e-6
+        return (p * (s_log - t_log)).sum(-1) + p_rest * (p_rest.clamp(min=floor).log() - q_rest.clamp(min=floor).log())
+    if direction != "forward":
+        raise ValueError(f"top_k_kl: direction must be 'forward' or 'reverse', got {direction!r}")
+    q_log = torch.log_softmax(t_log, -1)
+    return (q_log.exp() * (q_log - s_log)).sum(-1)
 
 
 def reverse_kl_summary(groups: "list[TrajectoryGroup]") -> dict[str, float]:

@@ -130,13 +130,15 @@ def microbatch_loss(
     ref_logprobs: torch.Tensor | None = None,
     top_k_logprobs: torch.Tensor | None = None,
     distill_coef: float = 1.0,
+    distill_direction: str = "forward",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one packed micro-batch: unpack the flat [T] tensors to [N, L] and call the loss.
 
     ``prox_logprobs`` None means bypass mode (the behaviour policy is the proximal policy).
     ``top_k_logprobs`` (``[T, k]``, dense distillation): the student's logprobs of the teacher's
     top-k ids (``packed.fields["teacher_top_ids"]``); adds ``distill_coef`` times the per-token
-    :func:`agentrl.distill.top_k_kl` on the policy tokens, aggregated as the policy loss is.
+    :func:`agentrl.distill.top_k_kl` (``distill_direction``) on the policy tokens, aggregated as
+    the policy loss is.
     """
     def rows(flat: torch.Tensor) -> torch.Tensor:
         return unpack_padded(flat.reshape(-1), packed)
@@ -157,7 +159,7 @@ def microbatch_loss(
         num_sequences=num_sequences,
     )
     if top_k_logprobs is not None:
-        kl = rows(top_k_kl(top_k_logprobs, packed.fields["teacher_top_logprobs"][0]))
+        kl = rows(top_k_kl(top_k_logprobs, packed.fields["teacher_top_logprobs"][0], distill_direction))
         loss = loss + distill_coef * aggregate_token_losses(kl, mask, loss_cfg.aggregation, num_tokens=num_tokens,
                                                             num_sequences=num_sequences)
         metrics["train/distill_top_k_kl"] = torch.where(mask, kl, 0.0).sum().detach() / mask.sum().clamp(min=1)

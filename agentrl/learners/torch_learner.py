@@ -121,7 +121,7 @@ class TorchLearner:
             loss, metrics = microbatch_loss(
                 logp, prox_lp, packed.to(self.device), cfg.loss,
                 num_tokens=num_tokens, num_sequences=num_sequences, ref_logprobs=ref_lp,
-                top_k_logprobs=top_lp, distill_coef=cfg.distill.coef,
+                top_k_logprobs=top_lp, distill_coef=cfg.distill.coef, distill_direction=cfg.distill.top_k_direction,
             )
             loss.backward()
             total_loss += float(loss.detach())
