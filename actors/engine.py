@@ -97,6 +97,10 @@ class EngineActor(AsyncDiag):
         await self._ready()
         return await self.engine.score(token_ids)
 
+    async def score_top_k(self, token_ids: list[int], k: int) -> dict[str, list]:
+        await self._ready()
+        return await self.engine.score_top_k(token_ids, k)
+
     async def update_weights(self, weights: dict, version: int, mode: str = "continue") -> float:
         await self._ready()
         first_adapter = self.engine.lora is not None and self.engine.lora_request is None

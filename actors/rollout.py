@@ -204,9 +204,11 @@ class RolloutActor(AsyncDiag):
     async def _score(self, group) -> None:
         from agentrl.distill import score_group
 
-        async def score(token_ids: list[int]) -> list[float]:
+        k = self.cfg.distill.top_k
+
+        async def score(token_ids: list[int]) -> Any:
             teacher = self.teachers[next(self._teacher_turn) % len(self.teachers)]
-            return await teacher.score.remote(token_ids)
+            return await (teacher.score_top_k.remote(token_ids, k) if k else teacher.score.remote(token_ids))
 
         await score_group(group, score)
 

@@ -424,7 +424,23 @@ class DistillConfig(Section):
     coef * (log pi_teacher(y_t) - log mu(y_t)) (the per-token reverse KL, negated; mu is the
     engine that sampled it) plus reward_weight times its task-reward advantage."""
     coef: float = Field(1.0, gt=0)
-    """Weight of the per-token reverse-KL advantage."""
+    """Weight of the distillation term: the per-token reverse-KL advantage, or with top_k > 0
+    the dense top-k loss."""
+    top_k: int = Field(0, ge=0, le=20)
+    """0: the sampled estimate above (the teacher's logprob of the student's own token only).
+    k > 0: dense distillation: the teacher returns its k most likely tokens at every policy
+    position (vLLM top-k prompt logprobs), and the loss adds, per policy token,
+    coef * KL(q_k || pi_student), q_k the teacher's top-k renormalised (zero elsewhere), against
+    the student's full softmax (at rollout.temperature): it names the teacher's tokens instead of
+    only scoring the student's. The sampled-estimate advantage is then off (only
+    reward_weight's task advantage stays in the policy-gradient term). At most 20 (vLLM's
+    max_logprobs); torch learner only."""
+    top_k_direction: Literal["forward", "reverse"] = "forward"
+    """With top_k > 0: forward: KL(q_k || pi_student) as above (mass-covering: a student sharper
+    than its teacher is made as uncertain as the teacher). reverse: KL(pi_student || pi_teacher)
+    over k + 1 outcomes, the teacher's k tokens and one bucket for every other token (the
+    teacher's leftover mass 1 - sum of its top-k probabilities; the student's likewise):
+    mode-seeking, and the student's mass outside the teacher's top k is penalised."""
     reward_weight: float = Field(0.0, ge=0)
     """Weight of the task-reward (group-relative) advantage added to the distillation one;
     0: pure distillation, the env's rewards are not trained on."""
@@ -701,6 +717,9 @@ class Config(Section):
                                  "distill.reward_weight is 0 (pure distillation trains every group): "
                                  "turn one of them off, or give the task reward a weight")
         dc = self.distill
+        if dc.enabled and dc.top_k > 0 and self.learner.backend != "torch":
+            raise ValueError("distill.top_k > 0 (dense top-k distillation) needs learner.backend=torch: the "
+                             "Megatron-Core learner scores the sampled tokens only (set distill.top_k=0)")
         if dc.enabled and self.cluster.address is None and self.cluster.num_cpus is not None:
             need = (self.engine.num_engines * self.engine.num_cpus + self.learner.num_cpus * max(1, self.learner.num_gpus)
                     + dc.num_engines * dc.num_cpus)

@@ -408,7 +408,7 @@ class PackedBatch:
         cu_seqlens: ``[N+1]`` int32 boundaries of the (padded) sequences in ``T``.
         seq_lens: Real (unpadded) length of each packed sequence.
         indices: Which input sequences, in packed order.
-        fields: Extra per-token tensors packed the same way, each ``[1, T]`` (0 on padding).
+        fields: Extra per-token tensors packed the same way, each ``[1, T]`` or ``[1, T, k]`` (0 on padding).
     """
 
     input_ids: torch.Tensor
@@ -480,7 +480,8 @@ def pack_sequences(
         token_ids: All sequences (lists or 1-D tensors); ``indices`` picks which to pack.
         fields: Per-token values of the same sequences (e.g. ``loss_mask``, ``advantages``,
             ``behavior_logprobs``), packed alike; the dtype is what ``torch.as_tensor`` infers
-            from the values, padding is 0.
+            from the values, padding is 0. A field may hold a vector per token (``[len, k]``,
+            e.g. a teacher's top-k ids): it packs to ``[1, T, k]``.
         indices: Which sequences to pack, in this order (default: all, in order).
         pad_multiple: Pad each sequence to a multiple of this many tokens.
         pad_id: Token id used on padding.
@@ -511,12 +512,14 @@ def pack_sequences(
         ids.append(torch.nn.functional.pad(seq, (0, pad), value=pad_id))
         positions.append(torch.arange(n + pad))
         for name, values in fields.items():
-            v = torch.as_tensor(values[i]).reshape(-1)
-            if v.numel() != n:
+            v = torch.as_tensor(values[i])
+            v = v.reshape(-1) if v.dim() <= 1 else v
+            if v.shape[0] != n:
                 raise ValueError(
-                    f"field {name!r} of sequence {i} has {v.numel()} values for {n} tokens"
+                    f"field {name!r} of sequence {i} has {v.shape[0]} values for {n} tokens"
                 )
-            packed_fields[name].append(torch.nn.functional.pad(v, (0, pad)))
+            # pad the token dimension (the first) only; vector fields keep their width
+            packed_fields[name].append(torch.nn.functional.pad(v, (0, 0) * (v.dim() - 1) + (0, pad)))
         seq_lens.append(n)
         bounds.append(bounds[-1] + n + pad)
 

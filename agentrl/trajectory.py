@@ -36,11 +36,26 @@ class Trajectory:
     teacher_logprobs: list[float] | None = None
     """On-policy distillation: the teacher's logprob of each policy token given its prefix (0.0 on
     prompt and observation tokens); None when no teacher scored the episode."""
+    teacher_top_ids: list[list[int]] | None = None
+    """Dense distillation (``distill.top_k``): the teacher's k most likely token ids at each
+    position (the distribution of that token given its prefix), most likely first; k zeros on
+    prompt and observation tokens. None when not asked for."""
+    teacher_top_logprobs: list[list[float]] | None = None
+    """The teacher's logprobs of ``teacher_top_ids`` (unnormalised over the k; 0.0 where the ids
+    are padding)."""
 
     def __post_init__(self) -> None:
         n = len(self.token_ids)
         if self.teacher_logprobs is not None and len(self.teacher_logprobs) != n:
             raise ValueError(f"teacher_logprobs has {len(self.teacher_logprobs)} entries for {n} tokens")
+        if (self.teacher_top_ids is None) != (self.teacher_top_logprobs is None):
+            raise ValueError("teacher_top_ids and teacher_top_logprobs come together")
+        if self.teacher_top_ids is not None:
+            if len(self.teacher_top_ids) != n or len(self.teacher_top_logprobs) != n:
+                raise ValueError(f"teacher top-k lists have {len(self.teacher_top_ids)} and "
+                                 f"{len(self.teacher_top_logprobs)} entries for {n} tokens")
+            if len({len(r) for r in self.teacher_top_ids} | {len(r) for r in self.teacher_top_logprobs}) > 1:
+                raise ValueError("teacher top-k rows differ in length")
         if not (len(self.loss_mask) == len(self.behavior_logprobs) == len(self.policy_versions) == n):
             raise ValueError(
                 f"per-token lists differ in length: token_ids={n}, loss_mask={len(self.loss_mask)}, "

@@ -271,6 +271,28 @@ class VLLMEngine:
         plp = final.prompt_logprobs
         return [0.0] + [float(d[t].logprob) for t, d in zip(token_ids[1:], plp[1:])]
 
+    async def score_top_k(self, token_ids: list[int], k: int) -> dict[str, list]:
+        """:meth:`score` plus the engine's ``k`` most likely tokens at every position (what it
+        would have put there given the prefix), most likely first: ``{"logprobs": [T],
+        "top_ids": [T][k], "top_logprobs": [T][k]}``, zeros at position 0. ``k`` is at most
+        vLLM's ``max_logprobs`` (20 by default)."""
+        from vllm import SamplingParams, TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=k, detokenize=False)
+        final = None
+        async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(token_ids)), params,
+                                           f"score-{next(self._ids)}", lora_request=self.lora_request):
+            final = out
+        logprobs, top_ids, top_lps = [0.0], [[0] * k], [[0.0] * k]
+        for t, d in zip(token_ids[1:], final.prompt_logprobs[1:]):
+            logprobs.append(float(d[t].logprob))
+            # The dict holds the top k and the prompt's own token (k + 1 entries when it ranks
+            # below k): the k largest are the top k.
+            best = sorted(d.items(), key=lambda kv: -kv[1].logprob)[:k]
+            top_ids.append([int(i) for i, _ in best])
+            top_lps.append([float(lp.logprob) for _, lp in best])
+        return {"logprobs": logprobs, "top_ids": top_ids, "top_logprobs": top_lps}
+
     async def update_weights(
         self, weights: "dict[str, torch.Tensor] | RefitPayload", version: int,
         mode: Literal["drain", "continue"] = "continue",

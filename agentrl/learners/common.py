@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentrl.advantages import trajectory_token_advantages
-from agentrl.distill import distill_token_advantages
-from agentrl.losses import compute_policy_loss
+from agentrl.distill import distill_token_advantages, top_k_kl
+from agentrl.losses import aggregate_token_losses, compute_policy_loss
 from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, unpack_padded
 
 if TYPE_CHECKING:
@@ -38,6 +38,9 @@ class TrainSample:
     behavior_logprobs: list[float]
     advantages: list[float]
     policy_versions: list[int]
+    teacher_top_ids: list[list[int]] | None = None
+    """Dense distillation: the teacher's top-k ids per token (see :class:`agentrl.trajectory.Trajectory`)."""
+    teacher_top_logprobs: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -56,8 +59,10 @@ def build_samples(groups: list["TrajectoryGroup"], adv_cfg: "AdvantageConfig",
                 continue
             if distill:
                 adv = distill_token_advantages(traj, adv, distill_cfg)
+            top = distill and distill_cfg.top_k > 0
             samples.append(
-                TrainSample(traj.token_ids, traj.loss_mask, traj.behavior_logprobs, adv, traj.policy_versions)
+                TrainSample(traj.token_ids, traj.loss_mask, traj.behavior_logprobs, adv, traj.policy_versions,
+                            traj.teacher_top_ids if top else None, traj.teacher_top_logprobs if top else None)
             )
     return samples
 
@@ -95,13 +100,19 @@ def plan_microbatches(samples: list[TrainSample], cfg: "PackingConfig", num_rank
 
 
 def pack_samples(samples: list[TrainSample], indices: list[int], *, pad_multiple: int = 1, pad_id: int = 0) -> PackedBatch:
+    """The samples ``indices`` packed, with their per-token fields (and, under dense
+    distillation, the teacher's top-k ``teacher_top_ids`` / ``teacher_top_logprobs``, ``[1, T, k]``)."""
+    fields: dict[str, list] = {
+        "loss_mask": [s.loss_mask for s in samples],
+        "behavior_logprobs": [s.behavior_logprobs for s in samples],
+        "advantages": [s.advantages for s in samples],
+    }
+    if indices and all(samples[i].teacher_top_ids is not None for i in indices):
+        fields["teacher_top_ids"] = [s.teacher_top_ids for s in samples]
+        fields["teacher_top_logprobs"] = [s.teacher_top_logprobs for s in samples]
     return pack_sequences(
         [s.token_ids for s in samples],
-        {
-            "loss_mask": [s.loss_mask for s in samples],
-            "behavior_logprobs": [s.behavior_logprobs for s in samples],
-            "advantages": [s.advantages for s in samples],
-        },
+        fields,
         indices=indices,
         pad_multiple=pad_multiple,
         pad_id=pad_id,
@@ -117,10 +128,17 @@ def microbatch_loss(
     num_tokens: float,
     num_sequences: float,
     ref_logprobs: torch.Tensor | None = None,
+    top_k_logprobs: torch.Tensor | None = None,
+    distill_coef: float = 1.0,
+    distill_direction: str = "forward",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Loss of one packed micro-batch: unpack the flat [T] tensors to [N, L] and call the loss.
 
     ``prox_logprobs`` None means bypass mode (the behaviour policy is the proximal policy).
+    ``top_k_logprobs`` (``[T, k]``, dense distillation): the student's logprobs of the teacher's
+    top-k ids (``packed.fields["teacher_top_ids"]``); adds ``distill_coef`` times the per-token
+    :func:`agentrl.distill.top_k_kl` (``distill_direction``) on the policy tokens, aggregated as
+    the policy loss is.
     """
     def rows(flat: torch.Tensor) -> torch.Tensor:
         return unpack_padded(flat.reshape(-1), packed)
@@ -128,17 +146,24 @@ def microbatch_loss(
     logp = rows(logprobs.float())
     behavior = rows(packed.fields["behavior_logprobs"].float())
     prox = behavior if prox_logprobs is None else rows(prox_logprobs.float())
-    return compute_policy_loss(
+    mask = rows(packed.fields["loss_mask"].float()) > 0
+    loss, metrics = compute_policy_loss(
         logp,
         prox.detach(),
         behavior,
         rows(packed.fields["advantages"].float()),
-        rows(packed.fields["loss_mask"].float()) > 0,
+        mask,
         loss_cfg,
         ref_logprobs=None if ref_logprobs is None else rows(ref_logprobs.float()),
         num_tokens=num_tokens,
         num_sequences=num_sequences,
     )
+    if top_k_logprobs is not None:
+        kl = rows(top_k_kl(top_k_logprobs, packed.fields["teacher_top_logprobs"][0], distill_direction))
+        loss = loss + distill_coef * aggregate_token_losses(kl, mask, loss_cfg.aggregation, num_tokens=num_tokens,
+                                                            num_sequences=num_sequences)
+        metrics["train/distill_top_k_kl"] = torch.where(mask, kl, 0.0).sum().detach() / mask.sum().clamp(min=1)
+    return loss, metrics
 
 
 def merge_metrics(per_microbatch: list[tuple[dict[str, torch.Tensor], float]]) -> dict[str, float]:

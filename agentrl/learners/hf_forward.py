@@ -66,28 +66,33 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk_size):  # type: ignore[override]
+        # targets [T] (one id per row) or [T, K] (K ids per row, e.g. the sampled token and a
+        # teacher's top k); the computation is on [T, K] either way.
         compute = torch.promote_types(hidden.dtype, torch.float32)  # float64 stays float64
-        out = torch.empty(hidden.shape[0], dtype=compute, device=hidden.device)
-        lse = torch.empty_like(out)
+        vector = targets.dim() == 2
+        targets = targets if vector else targets[:, None]
+        out = torch.empty(targets.shape, dtype=compute, device=hidden.device)
+        lse = torch.empty(hidden.shape[0], dtype=compute, device=hidden.device)
         buf = _logits_buffer(hidden, weight, chunk_size, compute)
         for s in range(0, hidden.shape[0], chunk_size):
             logits = _chunk_logits(hidden[s : s + chunk_size], weight, temperature, buf)  # [C, V]
-            out[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size, None])[:, 0]
+            out[s : s + chunk_size] = logits.gather(1, targets[s : s + chunk_size])
             # logsumexp in place (torch.logsumexp allocates a [C, V] temporary for x - max).
             peak = logits.amax(dim=1, keepdim=True)
             peak.masked_fill_(~torch.isfinite(peak), 0.0)
             lse[s : s + chunk_size] = logits.sub_(peak).exp_().sum(dim=1).log_().add_(peak[:, 0])
-        out -= lse
+        out -= lse[:, None]
         ctx.save_for_backward(hidden, weight, targets, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
+        ctx.temperature, ctx.chunk_size, ctx.vector = temperature, chunk_size, vector
+        return out if vector else out[:, 0]
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):  # type: ignore[override]
-        hidden, weight, targets, lse = ctx.saved_tensors
+        hidden, weight, targets, lse = ctx.saved_tensors  # targets [T, K]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        grad_out = grad_out if ctx.vector else grad_out[:, None]  # [T, K]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = (
             torch.zeros(weight.shape, dtype=lse.dtype, device=weight.device)
@@ -97,11 +102,12 @@ class _ChunkedLogprobs(torch.autograd.Function):
         buf = _logits_buffer(hidden, weight, chunk_size, lse.dtype)
         for s in range(0, hidden.shape[0], chunk_size):
             h = hidden[s : s + chunk_size]
-            # d logprob / d logits = (onehot(target) - softmax) / temperature, times the upstream g.
-            g = grad_out[s : s + chunk_size, None].to(lse.dtype).div(temperature)  # [C, 1]
+            # d logprob_k / d logits = (onehot(target_k) - softmax) / temperature, times the
+            # upstream g_k, summed over the row's K targets.
+            g = grad_out[s : s + chunk_size].to(lse.dtype).div(temperature)  # [C, K]
             grad_logits = _chunk_logits(h, weight, temperature, buf)  # [C, V]
-            grad_logits.sub_(lse[s : s + chunk_size, None]).exp_().mul_(-g)
-            grad_logits.scatter_add_(1, targets[s : s + chunk_size, None], g)
+            grad_logits.sub_(lse[s : s + chunk_size, None]).exp_().mul_(-g.sum(dim=1, keepdim=True))
+            grad_logits.scatter_add_(1, targets[s : s + chunk_size], g)
             grad_logits = grad_logits.to(hidden.dtype)
             if need_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[s : s + chunk_size])
@@ -152,13 +158,14 @@ def chunked_logprobs(
     Args:
         hidden: ``[T, H]`` final hidden states.
         lm_head_weight: ``[V, H]`` output embedding.
-        targets: ``[T]`` token ids; ``out[t]`` scores ``targets[t]`` from ``hidden[t]``.
+        targets: ``[T]`` token ids; ``out[t]`` scores ``targets[t]`` from ``hidden[t]``. Or
+            ``[T, K]``: K ids per row, ``out[t, k]`` scores ``targets[t, k]``.
         temperature: Sampling temperature the logits are divided by (> 0).
         chunk_size: Tokens per chunk.
 
     Returns:
-        ``[T]`` logprobs, float32 (float64 for float64 inputs), differentiable w.r.t. ``hidden``
-        and ``lm_head_weight``.
+        ``[T]`` (or ``[T, K]``) logprobs, float32 (float64 for float64 inputs), differentiable
+        w.r.t. ``hidden`` and ``lm_head_weight``.
 
     Example:
         >>> h, w, y = torch.randn(5, 8), torch.randn(11, 8), torch.randint(0, 11, (5,))
@@ -170,9 +177,9 @@ def chunked_logprobs(
         raise ValueError(f"temperature must be positive to score tokens, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be at least 1, got {chunk_size}")
-    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+    if hidden.dim() != 2 or targets.dim() not in (1, 2) or targets.shape[:1] != hidden.shape[:1]:
         raise ValueError(
-            f"expected hidden [T, H] and targets [T], got {tuple(hidden.shape)} and {tuple(targets.shape)}"
+            f"expected hidden [T, H] and targets [T] or [T, K], got {tuple(hidden.shape)} and {tuple(targets.shape)}"
         )
     return _ChunkedLogprobs.apply(
         hidden, lm_head_weight, targets.long(), float(temperature), int(chunk_size)
@@ -302,17 +309,18 @@ def _scores_at(
     weight: torch.Tensor,
     **kw: Any,
 ) -> torch.Tensor:
-    # hidden [M, H], input_ids [M], keep [M] bool (never True at 0): out[p] = log p(ids[p] | hidden[p-1]).
+    # hidden [M, H], input_ids [M] (or [M, K]), keep [M] bool (never True at 0):
+    # out[p] = log p(ids[p] | hidden[p-1]); 0 where keep is False.
     where = keep.nonzero()[:, 0]
     scores = chunked_logprobs(hidden[where - 1], weight, input_ids[where], **kw)
-    return torch.zeros(keep.shape, dtype=scores.dtype, device=scores.device).masked_scatter(
-        keep, scores
-    )
+    out = torch.zeros(input_ids.shape, dtype=scores.dtype, device=scores.device)
+    return out.index_put((where,), scores)
 
 
 def packed_token_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0, chunk_size: int = 1024
-) -> torch.Tensor:
+    model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0, chunk_size: int = 1024,
+    extra_ids: torch.Tensor | None = None,
+) -> Any:
     """Per-token logprobs of a packed micro-batch, each sequence attending only to itself.
 
     The model is switched to :data:`PACKED_ATTENTION` on first use (see
@@ -325,11 +333,14 @@ def packed_token_logprobs(
         batch: Packed sequences from :func:`agentrl.packing.pack_sequences`.
         temperature: Logits are divided by it before ``log_softmax``.
         chunk_size: Tokens per LM-head chunk (``packing.logprob_chunk_size``).
+        extra_ids: ``[1, T, K]`` or ``[T, K]`` more ids to score at every position (e.g. a
+            teacher's top k), from the same forward pass.
 
     Returns:
         ``[T]`` float32: ``out[t] = log p(input_ids[t] | earlier tokens of its sequence)``, 0 at
         the first token of every sequence and on padding. Differentiable w.r.t. the model's
-        parameters. Use :func:`agentrl.packing.unpack` to get per-sequence tensors back.
+        parameters. Use :func:`agentrl.packing.unpack` to get per-sequence tensors back. With
+        ``extra_ids``: ``(out, extra)``, ``extra[t, k] = log p(extra_ids[t, k] | ...)`` ``[T, K]``.
     """
     enable_packed_attention(model)
     device = _device(model)
@@ -371,14 +382,19 @@ def packed_token_logprobs(
     finally:
         _IN_PACKED_CALL.reset(token)
     keep = batch.real_mask()[0] & (batch.position_ids[0] > 0)
-    return _scores_at(
+    ids = batch.input_ids[0]
+    if extra_ids is not None:
+        extra_ids = extra_ids.reshape(total, -1).to(device=device, dtype=torch.long)
+        ids = torch.cat([ids[:, None], extra_ids], dim=1)  # [T, 1 + K]
+    scores = _scores_at(
         hidden,
-        batch.input_ids[0],
+        ids,
         keep,
         _lm_head_weight(model),
         temperature=temperature,
         chunk_size=chunk_size,
     )
+    return scores if extra_ids is None else (scores[:, 0], scores[:, 1:])
 
 
 def padded_token_logprobs(

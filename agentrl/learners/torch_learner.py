@@ -74,10 +74,13 @@ class TorchLearner:
         t = self.cfg.rollout.temperature
         return t if t > 0 else 1.0
 
-    def _logprobs(self, model: torch.nn.Module, packed) -> torch.Tensor:
+    def _logprobs(self, model: torch.nn.Module, packed, *, top_k: bool = False) -> Any:
+        """Logprobs of the packed tokens; ``top_k`` (dense distillation): also of the teacher's
+        top-k ids at every position, ``(logprobs [T], top_k [T, k])`` from one forward."""
         packed = packed.to(self.device)
         return packed_token_logprobs(
-            model, packed, temperature=self.temperature, chunk_size=self.cfg.packing.logprob_chunk_size
+            model, packed, temperature=self.temperature, chunk_size=self.cfg.packing.logprob_chunk_size,
+            extra_ids=packed.fields["teacher_top_ids"] if top_k else None,
         )
 
     def train_step(self, groups: list["TrajectoryGroup"]) -> dict[str, float]:
@@ -88,7 +91,8 @@ class TorchLearner:
         num_tokens, num_sequences = global_counts(samples)  # the loss's normalizers: whole batch
         # Samples with all-zero advantages (tied groups) contribute exactly nothing: no passes for
         # them. When none is left, no optimizer step either (AdamW would move on its momentum).
-        samples = with_signal(samples, has_kl=cfg.loss.kl.coef > 0)
+        dense = cfg.distill.enabled and cfg.distill.top_k > 0  # a loss term on every policy token
+        samples = with_signal(samples, has_kl=cfg.loss.kl.coef > 0 or dense)
         plan = plan_microbatches(samples, cfg.packing)[0]
         packs = [pack_samples(samples, mb, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id) for mb in plan]
 
@@ -105,7 +109,11 @@ class TorchLearner:
         self.optimizer.zero_grad(set_to_none=True)
         per_mb, total_loss = [], 0.0
         for packed, ref_lp in zip(packs, refs):
-            logp = self._logprobs(self.model, packed)
+            top_lp = None
+            if dense:
+                logp, top_lp = self._logprobs(self.model, packed, top_k=True)
+            else:
+                logp = self._logprobs(self.model, packed)
             # One optimizer step per batch: the weights before the step (pi_prox under "recompute")
             # are the weights of this pass, so its own logprobs, detached, are the proximal ones;
             # a separate no-grad pass would repeat the same forward (test_torch_learner.py).
@@ -113,6 +121,7 @@ class TorchLearner:
             loss, metrics = microbatch_loss(
                 logp, prox_lp, packed.to(self.device), cfg.loss,
                 num_tokens=num_tokens, num_sequences=num_sequences, ref_logprobs=ref_lp,
+                top_k_logprobs=top_lp, distill_coef=cfg.distill.coef, distill_direction=cfg.distill.top_k_direction,
             )
             loss.backward()
             total_loss += float(loss.detach())
