@@ -144,6 +144,14 @@ class VLLMEngine:
             # Set VLLM_ENABLE_V1_MULTIPROCESSING=1 to get the worker process back.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        extra = {}
+        if self.cfg.num_gpus == 0 and "enable_chunked_prefill" not in self.engine_args:
+            # A prompt prefilled in chunks samples a token at each chunk and throws it away; for a
+            # request with its own seed (`rollout.sampling_seed`, train.deterministic, an endpoint
+            # client's `seed`) vLLM then rewinds the request's generator by its offset, which a
+            # CPU generator does not have: "RuntimeError: CPU Generator does not use offset" kills
+            # the engine (vLLM 0.32). Whole prompts per step never take that path.
+            extra["enable_chunked_prefill"] = False
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -160,6 +168,7 @@ class VLLMEngine:
             worker_extension_cls="agentrl.engines.worker_ext.WeightSyncExtension",
             enable_sleep_mode=self.enable_sleep_mode,
             **self._lora_args(),
+            **extra,
             **self.engine_args,
         )
         self._llm = AsyncLLM.from_engine_args(args)
