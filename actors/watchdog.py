@@ -24,9 +24,12 @@ import ray
 from agentrl.config import WatchdogConfig
 from agentrl.watchdog import ActorReport, Deadlines, RunStalled, format_report, py_spy_dump, thread_stacks
 
-__all__ = ["DIAG_GROUPS", "AsyncDiag", "SyncDiag", "Watchdog"]
+__all__ = ["DIAG_GROUPS", "WARMUP_KINDS", "AsyncDiag", "SyncDiag", "Watchdog"]
 
 DIAG_GROUPS = {"diag": 1}  # ray.remote(concurrency_groups=DIAG_GROUPS) on every actor class
+WARMUP_KINDS = frozenset({"batch", "learner_step", "engine_sleep", "engine_wake"})
+"""Waits whose first one is a warm-up (vLLM's first requests, compiles) and is not recorded; a first
+refit is an ordinary one, and without it a run that refits three times before a fault has too few."""
 
 
 class AsyncDiag:
@@ -164,9 +167,10 @@ class Watchdog:
         elapsed = time.perf_counter() - t0
         # A recovered wait's length says nothing about healthy ones; nor does one that waited out
         # a restart (the restarted engine's start-up, ~a minute on a GPU), nor the first of its
-        # kind (one-off warm-up: vLLM's first requests, the first batch; `first_s` covers it):
+        # kind where the first one warms up (vLLM's first requests, the first batch, the first learner
+        # step's compile: WARMUP_KINDS; `first_s` covers it):
         # recorded, they would raise this kind's deadline to factor x that for the rest of the run.
-        first = kind not in self._waited
+        first = kind not in self._waited and kind in WARMUP_KINDS
         self._waited.add(kind)
         if not alarmed and not first and self._grace_until <= t0:
             self.deadlines.record(kind, elapsed)

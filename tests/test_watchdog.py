@@ -179,3 +179,19 @@ def test_a_healthy_slow_run_raises_no_alarm(tiny_model_dir, tmp_path):
     # The slow part is the batch (1 s tool calls); the learner step itself takes ~0.01 s on a quiet
     # machine and is not asserted on.
     assert max(seen["batch"]) > 0.5 and max(r["timing/step"] for r in rows) > 2, seen
+
+
+def test_only_warm_up_kinds_drop_their_first_wait(tmp_path):
+    """The first batch (vLLM's first requests) is a warm-up and is not recorded; the first refit is
+    an ordinary refit and is: three refits before a freeze leave a history, so its deadline is derived
+    from them (not `first_s`)."""
+    from actors.watchdog import WARMUP_KINDS, Watchdog
+    from agentrl.config import WatchdogConfig
+
+    wd = Watchdog(WatchdogConfig(min_samples=2), lambda: {}, tmp_path)
+    for _ in range(2):
+        wd.wait("refit", lambda timeout: True, what="a refit")
+        wd.wait("batch", lambda timeout: True, what="a batch")
+    assert "batch" in WARMUP_KINDS and "refit" not in WARMUP_KINDS
+    assert wd.deadlines.quantile("refit") is not None  # both refits recorded
+    assert wd.deadlines.quantile("batch") is None  # the first batch was not: one of two
