@@ -21,6 +21,7 @@ from agentrl.envs import (
     run_sandboxed,
     sandbox,
 )
+from agentrl.envs._sandbox_root import _contents
 from agentrl.envs.sandbox import BwrapUnavailableError
 from hypothesis import given
 from hypothesis import strategies as st
@@ -131,9 +132,15 @@ def test_the_program_sees_only_its_own_small_world():
             "import socket\nprint(socket.if_nameindex())")
     lines = run_sandboxed(code, SandboxLimits(audit_hook_layer=False)).output.splitlines()
     top = set(ast.literal_eval(lines[0].split(" ", 3)[3]))
-    interpreter_root = sys.base_prefix.strip("/").split("/")[0]  # e.g. usr, or root for pyenv under /root
+    # the tree holds the interpreter, its standard library and shared libraries at their host paths (and the
+    # symlinks on the way there): their first components may show, wherever the interpreter lives (e.g. root for
+    # pyenv under /root; a CI checkout under /check whose venv's interpreter resolves there); nothing else may
+    executable, stdlib, libraries = _contents()
+    placed = {part for path in (executable, *stdlib, *libraries) for p in (path, os.path.realpath(path))
+              for part in p.strip("/").split("/")[:1]}
     assert lines[0].startswith("65534 65534 /sandbox ") and "sandbox" in top
-    assert top <= {"tmp", ".agentrl", "sandbox", "dev", "proc", "lib", "lib64", "lib32", "usr", interpreter_root}
+    assert top <= {"tmp", ".agentrl", "sandbox", "dev", "proc", "lib", "lib64", "lib32", "usr"} | placed
+    assert not top & {"etc", "home", "work", "var", "opt", "srv", "mnt"} - placed  # no host directory came along
     assert lines[1] == "[1]"  # the program is its namespace's init, and nothing of the host is there
     assert lines[2] == "False False True" and lines[3] == "[(1, 'lo')]"
 
