@@ -8,16 +8,7 @@
 #   bash bench/device_e2e.sh profile # tools/learner_step.py: one learner step's wall vs GPU time (PROFILE_ARGS)
 # Steps can be combined: bash bench/device_e2e.sh tests train. Everything lands in $OUT.
 set -o pipefail
-[ -d /tmp/site/vllm ] || { echo "device_e2e: /tmp/site/vllm is missing: run the three carry calls first"; exit 3; }
-# The source tree is used in place: envs/ and actors/ appear as agentrl.envs / agentrl.actors
-# through links (an installed package gets them from setuptools' package-dir).
-[ -e agentrl/envs ] || ln -s ../envs agentrl/envs
-[ -e agentrl/actors ] || ln -s ../actors agentrl/actors
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source bench/device_env.sh device_e2e  # carry check, import links, environment, $OUT, the GPU
 python3 -c "import torch, vllm, ray, megatron.core as m; print('torch', torch.__version__, 'vllm', vllm.__version__, 'ray', ray.__version__, 'mcore', m.__version__)"
 rc=0
 for step in "$@"; do

@@ -16,14 +16,7 @@
 # On a CPU, the same logic with a small stand-in shape (no GPU needed; what the CPU test ran):
 #   python bench/agent_endpoint.py --shape cpu --requests 3 --warmup 1 --group-size 2 --turns 2 --max-tokens 8 --sweep 1x8,2x4
 set -o pipefail
-[ -d /tmp/site/vllm ] || { echo "device_endpoint: /tmp/site/vllm is missing: run the three carry calls first"; exit 3; }
-[ -e agentrl/envs ] || ln -s ../envs agentrl/envs
-[ -e agentrl/actors ] || ln -s ../actors agentrl/actors
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 RAY_USAGE_STATS_ENABLED=0
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source bench/device_env.sh device_endpoint  # carry check, import links, environment, $OUT, the GPU
 EXTRA=""; NAME=device_endpoint
 [ "${1:-}" = eager ] && { EXTRA="--eager"; NAME=device_endpoint_eager; }
 python3 -c "import torch, vllm, openai, httpx, uvicorn; print('torch', torch.__version__, 'vllm', vllm.__version__, 'openai', openai.__version__, 'httpx', httpx.__version__, 'uvicorn', uvicorn.__version__)"

@@ -7,14 +7,7 @@
 # Each run step is SYSTEM:WORKLOAD:SETTINGS; results are appended to $OUT/peers.json, logs to $OUT.
 # RUN_TIMEOUT (s, default 540) bounds each run step; PEER_ARGS are passed to every runner.
 set -o pipefail
-[ -d /tmp/site/vllm ] || { echo "peers: /tmp/site/vllm is missing: run the three carry calls first"; exit 3; }
-[ -e agentrl/envs ] || ln -s ../envs agentrl/envs
-[ -e agentrl/actors ] || ln -s ../actors agentrl/actors
-export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-export VLLM_WORKER_MULTIPROC_METHOD=spawn VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-export RAY_USAGE_STATS_ENABLED=0 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source bench/device_env.sh peers  # carry check, import links, environment, $OUT, the GPU
 rc=0
 for step in "$@"; do
   case $step in
