@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -38,6 +39,9 @@ class _Engine:
 
     def get_version(self) -> int:
         return self.version
+
+    def ping(self) -> dict:  # what the driver asks an engine while it waits more than 2 s for a batch
+        return {"pid": os.getpid(), "started": True, "version": self.version}
 
     def get_loads(self) -> list:
         return self.loads
