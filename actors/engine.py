@@ -24,15 +24,24 @@ __all__ = ["EngineActor"]
 @ray.remote(concurrency_groups=DIAG_GROUPS)
 class EngineActor(AsyncDiag):
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
-                 weight_source: Any = None, enable_sleep_mode: bool = False, lora: Any = None) -> None:
+                 weight_source: Any = None, enable_sleep_mode: bool = False, lora: Any = None,
+                 compile_cache_dir: str | None = None) -> None:
         """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
-        ``latest_weights`` a (re)started engine loads before it serves."""
+        ``latest_weights`` a (re)started engine loads before it serves. ``compile_cache_dir``:
+        torch-inductor's cache, shared by the run's engines (the trainer's, removed at its
+        shutdown): vLLM compiles its sampler's rank count on the first request for logprobs (on
+        CPU a C++ kernel and a ~150 MB precompiled header, bench/RESULTS.md issue 33), which a
+        restarted engine then loads instead of compiling again. None: in the private temp dir."""
         import tempfile
 
         from agentrl.engines.vllm_engine import VLLMEngine, private_tmpdir
 
         tmp = str(private_tmpdir())  # what vLLM leaves there goes when this process does
         tempfile.tempdir = os.environ["TMPDIR"] = tmp  # the env var for vLLM's engine-core process
+        # Set, not inherited: torch writes the first cache dir it computes into the environment.
+        cache = compile_cache_dir or os.path.join(tmp, "torchinductor")
+        os.makedirs(cache, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode,
                                  lora=lora)
         self.weight_source = weight_source

@@ -570,6 +570,12 @@ class ClusterConfig(Section):
     ship_env_module: bool = True
     """Add the package (or file) of env.id's `module:` part to `runtime_env.py_modules` unless it
     is installed, so that nodes without the user's code import it."""
+    max_task_events: int = Field(10_000, ge=1)
+    """When agentrl starts Ray itself (`address` None): how many tasks' events (state changes,
+    timings: what `ray list tasks` and Ray's dashboard show) Ray's GCS keeps, the oldest dropped
+    first (Ray's `task_events_max_num_task_in_gcs`). Ray's default, 100,000, let gcs_server grow
+    to about 330 MiB in an hour's soak run (about 3 KB a task; bench/RESULTS.md, issue 33). A
+    cluster agentrl joins keeps its own setting."""
     placement_timeout_s: float = Field(300.0, gt=0)
     """Colocated runs: how long to wait for Ray to place the one-GPU bundles (learner rank i with
     its engines) before stopping with an error that says what the cluster lacks."""

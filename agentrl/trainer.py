@@ -13,6 +13,7 @@ import os
 import pickle
 import shutil
 import sys
+import tempfile
 import time
 import uuid
 import warnings
@@ -40,6 +41,24 @@ def __getattr__(name: str):
                       DeprecationWarning, stacklevel=2)
         return _resolve_model_path
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def ray_init_kwargs(address: str | None = None, num_cpus: int | None = None,
+                    runtime_env: dict[str, Any] | None = None, max_task_events: int = 10_000) -> dict[str, Any]:
+    """``ray.init``'s arguments when the trainer starts or joins Ray (the ``cluster`` config's
+    fields; tools/ray_restart_diag.py starts Ray with them too). A cluster that is joined keeps its
+    own system config: Ray refuses ``_system_config`` when it does not start the cluster."""
+    started = {} if address else {"_system_config": {"task_events_max_num_task_in_gcs": max_task_events}}
+    return started | {
+        # None starts a local cluster, as cluster.address promises: Ray would otherwise join
+        # whatever cluster `ray start` last left on this machine (RAY_ADDRESS included).
+        "address": address or "local",
+        "num_cpus": num_cpus if address is None else None,
+        "include_dashboard": False,
+        "log_to_driver": os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
+        "configure_logging": False,
+        "runtime_env": runtime_env or None,
+    }
 
 
 class Trainer(Supervision):
@@ -88,6 +107,7 @@ class Trainer(Supervision):
         self._last_refit_s = 0.0
         self._release_ref: Any = None  # the learner's release of its last refit buffer (GPU transports)
         self._checked_release: Any = None  # overlapped steps: the release before that one
+        self.compile_cache_dir: str | None = None  # the engines' torch-inductor cache (start() makes it)
         self.placement_group: Any = None  # colocated: one bundle per GPU (agentrl.actors.placement)
         self.transport = "object_store"
         self.sleeping_engines = False
@@ -117,16 +137,8 @@ class Trainer(Supervision):
 
         cfg = self.cfg
         if not ray.is_initialized():
-            ray.init(
-                # None starts a local cluster, as cluster.address promises: Ray would otherwise join
-                # whatever cluster `ray start` last left on this machine (RAY_ADDRESS included).
-                address=cfg.cluster.address or "local",
-                num_cpus=cfg.cluster.num_cpus if cfg.cluster.address is None else None,
-                include_dashboard=False,
-                log_to_driver=os.environ.get("AGENTRL_RAY_LOGS", "0") == "1",
-                configure_logging=False,
-                runtime_env=self.runtime_env or None,
-            )
+            ray.init(**ray_init_kwargs(cfg.cluster.address, cfg.cluster.num_cpus, self.runtime_env,
+                                       cfg.cluster.max_task_events))
         elif cfg.cluster.runtime_env:  # Ray takes local paths at the job level only: ray.init's
             warnings.warn("cluster.runtime_env has no effect: Ray was initialized before the Trainer started; "
                           "pass runtime_env=trainer.runtime_env to ray.init instead", stacklevel=2)
@@ -154,9 +166,13 @@ class Trainer(Supervision):
             self.placement_group = self.placement.reserve(timeout_s=cfg.cluster.placement_timeout_s)
             engine_opts = [self.placement.engine_options(cfg, self.placement_group, i)
                            for i in range(cfg.engine.num_engines)]
+        # The engines' compile cache, kept across their restarts and removed at shutdown (an engine
+        # on another node makes the folder there, and that one stays).
+        self.compile_cache_dir = tempfile.mkdtemp(prefix="agentrl-compile-")
         self.engines = [
             EngineActor.options(**engine_opts[i], max_restarts=-1, max_task_retries=0).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
-                     enable_sleep_mode=self.sleeping_engines, lora=cfg.learner.lora if cfg.learner.lora.enabled else None)
+                     enable_sleep_mode=self.sleeping_engines, lora=cfg.learner.lora if cfg.learner.lora.enabled else None,
+                     compile_cache_dir=self.compile_cache_dir)
             for i in range(cfg.engine.num_engines)
         ]
         if co.enabled:
@@ -235,7 +251,8 @@ class Trainer(Supervision):
             "max_model_len": cfg.engine.max_model_len + 1, "kv_cache_gib": dc.kv_cache_gib or cfg.engine.kv_cache_gib})
         teachers = [
             engine_actor.options(num_cpus=dc.num_cpus, num_gpus=dc.num_gpus, max_restarts=-1, max_task_retries=0)
-            .remote(dc.teacher, teacher_engine, dtype=cfg.model.dtype, seed=cfg.seed + 1000 + i)
+            .remote(dc.teacher, teacher_engine, dtype=cfg.model.dtype, seed=cfg.seed + 1000 + i,
+                    compile_cache_dir=self.compile_cache_dir)
             for i in range(dc.num_engines)
         ]
         ray.get([t.start.remote() for t in teachers])
@@ -685,6 +702,9 @@ class Trainer(Supervision):
                            if name.startswith(("engine", "teacher"))]
             with contextlib.suppress(Exception):  # what the killed engines left in /dev/shm and the temp dir
                 sweep_dead_engine_files(engine_pids, wait_s=10.0)
+        if self.compile_cache_dir is not None:
+            shutil.rmtree(self.compile_cache_dir, ignore_errors=True)
+            self.compile_cache_dir = None
         if self.placement_group is not None:
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(self.placement_group)

@@ -4,8 +4,10 @@ Runs `agentrl train configs/quickstart.yaml` (the real CLI: SFT warm start from 
 GRPO with a vLLM engine, held-out eval) with a time limit instead of a step count, and from
 outside the run, every ``--sample-s`` seconds, samples every process of its tree (the driver, Ray's
 own processes, each actor: RSS, open file descriptors, threads), the bytes under /dev/shm that its
-processes made, the bytes in its private temp dir (TMPDIR and Ray's session dir), and the number
-of processes that are not actors (sandboxes, tool subprocesses). Every ``--fault-every-s``
+processes made, the bytes in its private temp dir (TMPDIR and Ray's session dir) by kind (the run's
+own output, Ray's worker logs, Ray's other logs, Ray's other files, the engines' private temp dirs,
+compile caches: :func:`temp_kind`), and the number of processes that are not actors (sandboxes,
+tool subprocesses). Every ``--fault-every-s``
 seconds it injects the next fault of a cycle: SIGKILL the engine (Ray restarts it), SIGSTOP the
 engine (the watchdog must find it frozen and restart it), SIGKILL a rollout actor (replaced).
 
@@ -15,11 +17,14 @@ or the temp dir, and writes a JSON of every sample and a PNG plot.
     nice -n 19 .venv/bin/python bench/soak.py --minutes 60 --out docs/assets
 
 It measures leaks, not speed: on a shared machine run it under ``nice -n 19``, not the learn lock.
+A SIGTERM or SIGINT to it stops the run as Ctrl-C would (SIGINT to the training process, which
+shuts its actors and Ray down), then it reports as usual.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -34,6 +39,7 @@ import psutil
 
 REPO = Path(__file__).resolve().parents[1]
 FAULTS = ("kill_engine", "stop_engine", "kill_rollout")
+STOP_GRACE_S = 120.0  # after a SIGTERM/SIGINT to the soak: how long its run may take to shut down
 
 
 def role(p: psutil.Process) -> str:
@@ -73,6 +79,39 @@ def dir_bytes(path: Path) -> int:
     return total
 
 
+def temp_kind(rel: str) -> str:
+    """The kind of a file of the soak's temp dir, by its path relative to it: the run's own output
+    (``run/``: checkpoints, metrics), Ray's worker logs, Ray's other logs, Ray's spilled objects,
+    the rest of Ray's session dir, an engine's private temp dir, a compile cache, or other."""
+    parts = rel.split("/")
+    if parts[0] == "run":
+        return "run"
+    if parts[0] == "ray":
+        if "logs" in parts:
+            return "ray_worker_logs" if parts[-1].startswith(("worker-", "python-core-worker-")) else "ray_other_logs"
+        return "ray_spilled" if any("spill" in q for q in parts) else "ray_other"
+    if parts[0].startswith("agentrl-engine-"):
+        return "engine_tmp"
+    if parts[0].startswith(("agentrl-compile-", "torchinductor_", "triton", "vllm", "inductor")) or "cache" in parts[0]:
+        return "compile_cache"
+    return "other"
+
+
+def temp_bytes_by_kind(tmp: Path) -> dict[str, int]:
+    """Bytes under ``tmp`` by :func:`temp_kind` (every kind present, even at 0)."""
+    out = dict.fromkeys(("run", "ray_worker_logs", "ray_other_logs", "ray_spilled", "ray_other", "engine_tmp",
+                         "compile_cache", "other"), 0)
+    for dirpath, _, files in os.walk(tmp):
+        rel_dir = os.path.relpath(dirpath, tmp)
+        for f in files:
+            try:
+                size = os.lstat(os.path.join(dirpath, f)).st_size
+            except OSError:
+                continue
+            out[temp_kind(f if rel_dir == "." else f"{rel_dir}/{f}")] += size
+    return out
+
+
 def shm_entries(pids: set[int]) -> dict[str, int]:
     """/dev/shm entries that belong to the run: agentrl's staging folders are named by pid."""
     out = {}
@@ -95,12 +134,14 @@ def sample(root: psutil.Process, tmp: Path, seen: set[int], t0: float) -> dict:
         seen.add(p.pid)
         procs[str(p.pid)] = info
     shm = shm_entries(seen)
+    kinds = temp_bytes_by_kind(tmp)
     return {
         "t_s": time.time() - t0,
         "procs": procs,
         "shm_bytes": sum(shm.values()),
         "shm_entries": len(shm),
-        "tmp_bytes": dir_bytes(tmp),
+        "tmp_bytes": sum(kinds.values()),
+        "tmp_bytes_by_kind": kinds,
         "other_procs": sum(1 for v in procs.values() if v["role"] in ("bwrap", "python", "sh", "bash")),
     }
 
@@ -165,8 +206,11 @@ def plot(samples: list[dict], faults: list[dict], path: Path) -> None:
     axes[1][0].plot(t, [s["shm_entries"] for s in samples], label="/dev/shm entries")
     axes[1][0].set_title("/dev/shm")
     axes[1][0].legend(fontsize=7)
-    axes[1][1].plot(t, [s["tmp_bytes"] / 2**20 for s in samples])
-    axes[1][1].set_title("temp dir MiB (TMPDIR, Ray session)")
+    axes[1][1].plot(t, [s["tmp_bytes"] / 2**20 for s in samples], label="all", color="black")
+    for kind in sorted({k for s in samples for k, v in s.get("tmp_bytes_by_kind", {}).items() if v}):
+        axes[1][1].plot(t, [s["tmp_bytes_by_kind"].get(kind, 0) / 2**20 for s in samples], label=kind, lw=1)
+    axes[1][1].set_title("temp dir MiB (TMPDIR, Ray session) by kind")
+    axes[1][1].legend(fontsize=7)
     axes[1][2].plot(t, [len(s["procs"]) for s in samples], label="processes in the run's tree")
     axes[1][2].plot(t, [s["other_procs"] for s in samples], label="non-actor children (sandboxes, tools)")
     axes[1][2].set_title("processes")
@@ -207,6 +251,15 @@ def main() -> int:
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     root = psutil.Process(proc.pid)
+    stopped: list[int] = []
+
+    def stop(signum, _frame):  # a SIGTERM or SIGINT to the soak stops its run too, which shuts down as on Ctrl-C
+        stopped.append(signum)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     samples: list[dict] = []
     faults: list[dict] = []
     seen: set[int] = set()
@@ -216,6 +269,8 @@ def main() -> int:
     print(f"soak: pid {proc.pid}, temp dir {tmp}, log {tmp / 'train.log'}", flush=True)
     while proc.poll() is None:
         samples.append(sample(root, tmp, seen, t0))
+        if stopped:
+            break
         # faults only once it trains: not during start-up, nor during the final eval (below)
         trained = trained or ((run_dir / "metrics.jsonl").is_file()
                               and '"train/loss"' in (run_dir / "metrics.jsonl").read_text())
@@ -226,7 +281,13 @@ def main() -> int:
             k += 1
             next_fault = time.time() + args.fault_every_s
         time.sleep(args.sample_s)
-    rc = proc.wait()
+    try:
+        rc = proc.wait(timeout=STOP_GRACE_S if stopped else None)
+    except subprocess.TimeoutExpired:  # stopped, and the run did not shut down in time: its tree goes
+        for p in reversed(tree(root)):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        rc = proc.wait()
     log.close()
     time.sleep(10)  # Ray's processes exit after the driver
     left = []
@@ -265,6 +326,9 @@ def main() -> int:
         "growth_threads": growth(samples, {r: (lambda s, r=r: by_role(s, "threads").get(r, 0.0)) for r in roles}),
         "growth_other": growth(samples, {"shm_bytes": lambda s: s["shm_bytes"], "tmp_bytes": lambda s: s["tmp_bytes"],
                                          "processes": lambda s: len(s["procs"])}),
+        "growth_tmp_by_kind": growth(samples, {k: (lambda s, k=k: s["tmp_bytes_by_kind"][k])
+                                               for k in (samples[0]["tmp_bytes_by_kind"] if samples else {})}),
+        "tmp_bytes_by_kind_left": temp_bytes_by_kind(tmp),
         "leaked_processes": left,
         "leaked_shm": shm_left,
         "leaked_tmp_files": tmp_left[:50],
