@@ -24,9 +24,11 @@ __all__ = ["EngineActor"]
 @ray.remote(concurrency_groups=DIAG_GROUPS)
 class EngineActor(AsyncDiag):
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
-                 weight_source: Any = None, enable_sleep_mode: bool = False, lora: Any = None) -> None:
+                 weight_source: Any = None, enable_sleep_mode: bool = False, lora: Any = None,
+                 vocab_limit: int | None = None) -> None:
         """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
-        ``latest_weights`` a (re)started engine loads before it serves."""
+        ``latest_weights`` a (re)started engine loads before it serves; ``vocab_limit``: see
+        :class:`agentrl.engines.vllm_engine.VLLMEngine`."""
         import tempfile
 
         from agentrl.engines.vllm_engine import VLLMEngine, private_tmpdir
@@ -34,7 +36,7 @@ class EngineActor(AsyncDiag):
         tmp = str(private_tmpdir())  # what vLLM leaves there goes when this process does
         tempfile.tempdir = os.environ["TMPDIR"] = tmp  # the env var for vLLM's engine-core process
         self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode,
-                                 lora=lora)
+                                 lora=lora, vocab_limit=vocab_limit)
         self.weight_source = weight_source
         self._started = False
         self._start_error = ""  # why vLLM failed to start, for the watchdog's diagnosis
