@@ -25,13 +25,14 @@ __all__ = ["EngineActor"]
 class EngineActor(AsyncDiag):
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
                  weight_source: Any = None, enable_sleep_mode: bool = False, lora: Any = None,
-                 compile_cache_dir: str | None = None) -> None:
+                 compile_cache_dir: str | None = None, vocab_limit: int | None = None) -> None:
         """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
         ``latest_weights`` a (re)started engine loads before it serves. ``compile_cache_dir``:
         torch-inductor's cache, shared by the run's engines (the trainer's, removed at its
         shutdown): vLLM compiles its sampler's rank count on the first request for logprobs (on
         CPU a C++ kernel and a ~150 MB precompiled header, bench/RESULTS.md issue 33), which a
-        restarted engine then loads instead of compiling again. None: in the private temp dir."""
+        restarted engine then loads instead of compiling again. None: in the private temp dir.
+        ``vocab_limit``: see :class:`agentrl.engines.vllm_engine.VLLMEngine`."""
         import tempfile
 
         from agentrl.engines.vllm_engine import VLLMEngine, private_tmpdir
@@ -43,7 +44,7 @@ class EngineActor(AsyncDiag):
         os.makedirs(cache, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
         self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode,
-                                 lora=lora)
+                                 lora=lora, vocab_limit=vocab_limit)
         self.weight_source = weight_source
         self._started = False
         self._start_error = ""  # why vLLM failed to start, for the watchdog's diagnosis

@@ -104,6 +104,13 @@ class ModelConfig(Section):
     """Size of the model bootstrap_tiny creates (the GPU recipe uses a larger one)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Parameter dtype of learner and engines. float32 on CPU keeps engine/learner logprobs equal."""
+    tokenizer_vocab_only: bool = False
+    """The policy is a distribution over the tokenizer's ids only (ids < len(tokenizer)): the
+    trainer's engines mask the LM head's logits past them to -inf (sampling and logprobs alike),
+    and the learner's log-softmax gets the same mask. For heads with more rows than the tokenizer
+    has ids (Qwen2.5: 151,936 rows, 151,665 ids), whose extra rows decode to nothing; verl always
+    samples this way (its vLLM server masks the logits past len(tokenizer)). No effect when the
+    head is no larger than the tokenizer."""
 
 
 class EnvConfig(Section):

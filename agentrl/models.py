@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from agentrl.config import Config
 
 __all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "is_model_dir", "load_hf_model", "resolve_model_path",
-           "torch_dtype"]
+           "tokenizer_vocab_limit", "torch_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json")
@@ -48,6 +48,17 @@ def load_hf_model(path: str | Path, dtype: str = "float32", device: "str | torch
 
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), attn_implementation="sdpa")
     return model.to(device)
+
+
+def tokenizer_vocab_limit(path: str | Path, enabled: bool = True) -> int | None:
+    """``len(tokenizer)`` of the model at ``path`` (ids past it have no text): the vocabulary a
+    policy samples from and is trained on under ``model.tokenizer_vocab_only``; None when not
+    ``enabled``."""
+    if not enabled:
+        return None
+    from transformers import AutoTokenizer
+
+    return len(AutoTokenizer.from_pretrained(str(path)))
 
 
 def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:

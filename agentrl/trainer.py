@@ -27,6 +27,7 @@ from agentrl.config import Config, ConfigError
 from agentrl.distill import reverse_kl_summary
 from agentrl.metrics import MetricsLogger, require_wandb
 from agentrl.models import resolve_model_path as _resolve_model_path
+from agentrl.models import tokenizer_vocab_limit
 from agentrl.refit import resolve_transport
 from agentrl.rollout import summarize
 from agentrl.supervision import Supervision
@@ -172,7 +173,8 @@ class Trainer(Supervision):
         self.engines = [
             EngineActor.options(**engine_opts[i], max_restarts=-1, max_task_retries=0).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
                      enable_sleep_mode=self.sleeping_engines, lora=cfg.learner.lora if cfg.learner.lora.enabled else None,
-                     compile_cache_dir=self.compile_cache_dir)
+                     compile_cache_dir=self.compile_cache_dir,
+                     vocab_limit=tokenizer_vocab_limit(self.model_path, cfg.model.tokenizer_vocab_only))
             for i in range(cfg.engine.num_engines)
         ]
         if co.enabled:
@@ -252,7 +254,8 @@ class Trainer(Supervision):
         teachers = [
             engine_actor.options(num_cpus=dc.num_cpus, num_gpus=dc.num_gpus, max_restarts=-1, max_task_retries=0)
             .remote(dc.teacher, teacher_engine, dtype=cfg.model.dtype, seed=cfg.seed + 1000 + i,
-                    compile_cache_dir=self.compile_cache_dir)
+                    compile_cache_dir=self.compile_cache_dir,
+                    vocab_limit=tokenizer_vocab_limit(dc.teacher, cfg.model.tokenizer_vocab_only))
             for i in range(dc.num_engines)
         ]
         ray.get([t.start.remote() for t in teachers])

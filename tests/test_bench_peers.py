@@ -128,3 +128,34 @@ def test_min_new_tokens_is_a_config_field_that_refuses_negatives():
     assert load_config(root / "configs" / "quickstart.yaml", ["rollout.min_new_tokens=5"]).rollout.min_new_tokens == 5
     with pytest.raises(Exception, match="min_new_tokens"):
         load_config(root / "configs" / "quickstart.yaml", ["rollout.min_new_tokens=-1"])
+
+
+def test_peer_env_reward_drops_special_token_texts_as_the_peers_decoding_does(tmp_path, tok):
+    """verl's and TRL's rewards decode replies with skip_special_tokens=True; agentrl's env gets the
+    text with them kept, so the env drops the special tokens' texts before scoring."""
+    from bench.peers.peer_env import PeerToolEnv
+
+    texts = tmp_path / "t.json"
+    texts.write_text(json.dumps({"prompts": ["p"], "observation": "o", "special_tokens": list(tok.all_special_tokens)}))
+    env = PeerToolEnv(texts_file=str(texts), tool_calls=0, latency_s=0.0, new_tokens=4)
+    ids = tok("red green", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<tool_call>")]
+    kept = tok.decode(ids, skip_special_tokens=False)
+    assert "<tool_call>" in kept
+    env.reset(seed=0)
+    _, reward, terminated, _, _ = env.step(kept)
+    assert terminated and reward == pytest.approx(reply_reward([tok.decode(ids, skip_special_tokens=True)], 4))
+
+
+def test_agentrl_runner_samples_the_tokenizers_ids_as_verl_does(tmp_path):
+    """run_agentrl's overrides load on configs/gpu_1x.yaml with model.tokenizer_vocab_only on."""
+    from pathlib import Path
+
+    from bench.peers import run_agentrl
+    from bench.peers.common import harness_parser
+
+    root = Path(__file__).resolve().parents[1]
+    args = harness_parser(run_agentrl.__doc__).parse_args(["--workload", "multi", "--workdir", str(tmp_path)])
+    args.cpu, args.engine_mem, args.set = False, 0.2, []
+    for setting in ("recommended", "like", "memory"):
+        ovr = run_agentrl.overrides(args, WORKLOADS["multi"], str(tmp_path / "model"), str(tmp_path / "t.json"), setting)
+        assert load_config(root / "configs" / "gpu_1x.yaml", ovr).model.tokenizer_vocab_only is True

@@ -111,14 +111,17 @@ class VLLMEngine:
             enabled, every refit loads the new adapter in place (one adapter id, so in-flight
             requests continue on it, as with full weights) and every request uses it. Until the
             first adapter arrives requests run on the base, which equals a fresh adapter (B = 0).
+        vocab_limit: ``model.tokenizer_vocab_only``: logits at ids >= this are masked to -inf in
+            every forward pass (sampling and logprobs), set in each worker once the engine starts.
     """
 
     LORA_ID = 1  # the one adapter slot the policy uses; reloaded in place at every refit
 
     def __init__(self, model_path: str, cfg: "EngineConfig", *, dtype: str = "float32", seed: int = 0,
                  enable_sleep_mode: bool = False, lora: "LoRAConfig | None" = None,
-                 engine_args: dict | None = None) -> None:
+                 engine_args: dict | None = None, vocab_limit: int | None = None) -> None:
         self.model_path = model_path
+        self.vocab_limit = vocab_limit
         self.cfg = cfg
         self.dtype = dtype
         self.seed = seed
@@ -172,6 +175,8 @@ class VLLMEngine:
             **self.engine_args,
         )
         self._llm = AsyncLLM.from_engine_args(args)
+        if self.vocab_limit is not None:
+            await self._llm.collective_rpc("agentrl_limit_vocab", args=(int(self.vocab_limit),))
 
     def _lora_args(self) -> dict:
         if self.lora is None:

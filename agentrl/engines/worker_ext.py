@@ -180,6 +180,25 @@ class WeightSyncExtension:
 
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
 
+    def agentrl_limit_vocab(self, limit: int) -> int:
+        """Mask the LM head's logits at ids >= ``limit`` to -inf in every forward pass from now on
+        (sampling, sampled-token logprobs and prompt logprobs alike): ``model.tokenizer_vocab_only``.
+        Returns the model's vocabulary size."""
+        import types
+
+        # the object the model runner calls compute_logits on (a CUDA-graph wrapper forwards to it)
+        model = getattr(self.model_runner, "model", None) or self.model_runner.get_model()
+        original = model.compute_logits
+
+        def compute_logits(_self, *args, **kwargs):
+            logits = original(*args, **kwargs)
+            if logits is not None:
+                logits[..., limit:] = float("-inf")
+            return logits
+
+        model.compute_logits = types.MethodType(compute_logits, model)
+        return int(self.model_config.get_vocab_size())
+
     def agentrl_weight_checksum(self) -> float:
         """Sum of all parameters (a cheap check that a refit changed the weights)."""
         model = self.model_runner.get_model()

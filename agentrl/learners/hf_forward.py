@@ -319,7 +319,7 @@ def _scores_at(
 
 def packed_token_logprobs(
     model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0, chunk_size: int = 1024,
-    extra_ids: torch.Tensor | None = None,
+    extra_ids: torch.Tensor | None = None, vocab_limit: int | None = None,
 ) -> Any:
     """Per-token logprobs of a packed micro-batch, each sequence attending only to itself.
 
@@ -335,6 +335,8 @@ def packed_token_logprobs(
         chunk_size: Tokens per LM-head chunk (``packing.logprob_chunk_size``).
         extra_ids: ``[1, T, K]`` or ``[T, K]`` more ids to score at every position (e.g. a
             teacher's top k), from the same forward pass.
+        vocab_limit: the softmax runs over ids ``< vocab_limit`` only (``model.tokenizer_vocab_only``:
+            the head's later rows get probability 0); every scored id must be below it.
 
     Returns:
         ``[T]`` float32: ``out[t] = log p(input_ids[t] | earlier tokens of its sequence)``, 0 at
@@ -386,11 +388,17 @@ def packed_token_logprobs(
     if extra_ids is not None:
         extra_ids = extra_ids.reshape(total, -1).to(device=device, dtype=torch.long)
         ids = torch.cat([ids[:, None], extra_ids], dim=1)  # [T, 1 + K]
+    weight = _lm_head_weight(model)
+    if vocab_limit is not None and vocab_limit < weight.shape[0]:
+        if int(ids.max()) >= vocab_limit:
+            raise ValueError(f"token id {int(ids.max())} is past vocab_limit {vocab_limit} "
+                             "(model.tokenizer_vocab_only: the policy has no such id)")
+        weight = weight[:vocab_limit]  # the rows past it: no logit, probability 0
     scores = _scores_at(
         hidden,
         ids,
         keep,
-        _lm_head_weight(model),
+        weight,
         temperature=temperature,
         chunk_size=chunk_size,
     )

@@ -23,7 +23,7 @@ from agentrl.learners.common import (
     with_signal,
 )
 from agentrl.learners.hf_forward import packed_token_logprobs
-from agentrl.models import copy_tokenizer_files, load_hf_model  # load_hf_model: also public here, as before
+from agentrl.models import copy_tokenizer_files, load_hf_model, tokenizer_vocab_limit  # load_hf_model: also public here, as before
 from agentrl.optim import adamw
 
 if TYPE_CHECKING:
@@ -62,6 +62,7 @@ class TorchLearner:
             self.ref_model = copy.deepcopy(self.model).eval().requires_grad_(False)
         self.optimizer = self._make_optimizer(cfg.learner.lr)
         self.pad_id = int(self.model.config.pad_token_id or 0)
+        self.vocab_limit = tokenizer_vocab_limit(self.model_path, cfg.model.tokenizer_vocab_only)
         self.version = 0
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
@@ -80,7 +81,7 @@ class TorchLearner:
         packed = packed.to(self.device)
         return packed_token_logprobs(
             model, packed, temperature=self.temperature, chunk_size=self.cfg.packing.logprob_chunk_size,
-            extra_ids=packed.fields["teacher_top_ids"] if top_k else None,
+            extra_ids=packed.fields["teacher_top_ids"] if top_k else None, vocab_limit=self.vocab_limit,
         )
 
     def train_step(self, groups: list["TrajectoryGroup"]) -> dict[str, float]:

@@ -6,6 +6,13 @@
 #   bash bench/peers/device.sh agentrl:multi:recommended,like trl:multi:recommended
 # Each run step is SYSTEM:WORKLOAD:SETTINGS; results are appended to $OUT/peers.json, logs to $OUT.
 # RUN_TIMEOUT (s, default 540) bounds each run step; PEER_ARGS are passed to every runner.
+# A run longer than one call (verl single-turn: ~20 min) starts detached and is waited for by later calls:
+#   bash bench/peers/device.sh verl-install start:verl:single:recommended wait   # then, each within 30 s:
+#   bash bench/peers/device.sh wait                                               # until it prints "done"
+# `start:` runs the runner in a session of its own (setsid: it outlives the call, /tmp/peers/bg) with
+# BG_TIMEOUT (s, default 1440) for the whole run; `wait` waits WAIT_S (default 550) or until it ends,
+# copies its log and result to $OUT and exits 0 once it ended, 4 while it still runs (call `wait` again).
+# Run no other step while a detached run is on the GPU (a run step ends by killing Ray and vLLM leftovers).
 set -o pipefail
 source bench/device_env.sh peers  # carry check, import links, environment, $OUT, the GPU
 rc=0
@@ -34,6 +41,37 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       # anything a killed run left on the GPU would skew the next one
       # (bracketed patterns: pkill -f must not match this script's own command line)
       for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done; sleep 3 ;;
+    start:*)
+      IFS=: read -r _ system workload settings <<< "$step"
+      bg=/tmp/peers/bg; mkdir -p $bg
+      if [ -f $bg/pid ] && kill -0 "$(cat $bg/pid)" 2>/dev/null; then echo "peers: a detached run is on: $(cat $bg/step)"; exit 2; fi
+      rm -f $bg/peers.json; echo "$system:$workload:${settings:-recommended}" > $bg/step
+      site=$PYTHONPATH; [ "$system" = trl ] && site=/tmp/peer-trl:$PYTHONPATH
+      [ "$system" = verl ] && site=/tmp/peer-verl:$PYTHONPATH
+      extra=""; [ "$system" = verl ] && extra="--timeout ${BG_TIMEOUT:-1440}"
+      echo "== start $step ($(date +%T)), detached"
+      rm -f $bg/pid  # the runner's own pid, written by the shell that becomes it (setsid may fork)
+      PYTHONPATH=$site setsid nohup bash -c 'echo $$ > '$bg'/pid; exec python3 "$@"' _ "bench/peers/run_$system.py" \
+        --workload "$workload" --settings "${settings:-recommended}" --out $bg/peers.json --workdir /tmp/peers \
+        $extra ${PEER_ARGS:-} > $bg/run.log 2>&1 < /dev/null &
+      for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s $bg/pid ] && break; sleep 0.5; done
+      [ -s $bg/pid ] || { echo "peers: the detached run did not start"; exit 1; } ;;
+    wait)
+      bg=/tmp/peers/bg; [ -f $bg/pid ] || { echo "peers: no detached run (start:SYSTEM:WORKLOAD:SETTING first)"; exit 2; }
+      pid=$(cat $bg/pid); t0=$SECONDS
+      while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WAIT_S:-550}" ]; do sleep 5; done
+      name=$(tr : - < $bg/step)
+      grep -v "Warning\|warn(\|it/s\]" $bg/run.log > "$OUT/$name.log"
+      # verl's per-step line, shortened: step, its time and parts, the batch reward
+      grep -o "step:[0-9]* \|timing_s/\(step\|gen\|old_log_prob\|update_actor\):[0-9.]*\|critic/score/mean:[0-9.]*" \
+        $bg/run.log | paste -sd' ' | sed 's/ step:/\nstep:/g' 
+      if kill -0 "$pid" 2>/dev/null; then
+        echo "peers: $(cat $bg/step) still running after $((SECONDS - t0)) s of this call: call 'wait' again within 30 s"; rc=4
+      else
+        echo "peers: $(cat $bg/step) done"; [ -f $bg/peers.json ] && cp $bg/peers.json "$OUT/peers.json"
+        grep "^RESULT" $bg/run.log | cut -c1-400
+        for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done
+      fi ;;
     *) echo "peers: unknown step '$step'"; rc=2 ;;
   esac
 done

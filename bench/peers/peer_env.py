@@ -4,7 +4,10 @@ Every reply but the last is a tool call (the whole reply is the call, as in benc
 the tool sleeps ``latency_s`` and answers with the workload's fixed observation; reply
 ``tool_calls + 1`` ends the episode with :func:`bench.peers.common.reply_reward` of all replies.
 With ``tool_calls=0`` it is a single-turn task. Prompts and the observation come from a JSON file
-the harness writes, so every system gets the same texts.
+the harness writes, so every system gets the same texts. agentrl hands an env the reply's text with
+special tokens kept (``<tool_call>`` carries meaning there); the reward drops the texts of the
+tokenizer's special tokens (the file's ``special_tokens``), as verl's and TRL's decoding for the
+reward does (``skip_special_tokens=True``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class PeerToolEnv(TextEnv):
         data = json.loads(open(texts_file).read())
         self.prompts: list[str] = data["prompts"]
         self.observation: str = data["observation"]
+        self.special: list[str] = data.get("special_tokens", [])
         self.tool_calls, self.latency_s, self.new_tokens = tool_calls, latency_s, new_tokens
         self.replies: list[str] = []
 
@@ -34,6 +38,8 @@ class PeerToolEnv(TextEnv):
         return [{"role": "user", "content": rng.choice(self.prompts)}]
 
     def respond(self, action: str) -> Turn:
+        for special in self.special:
+            action = action.replace(special, "")
         self.replies.append(action)
         if self.num_turns > self.tool_calls:
             return Turn([], reward=reply_reward(self.replies, self.new_tokens), terminated=True, success=True)

@@ -13,6 +13,9 @@ Settings:
   memory       `like` at TRL's recommended memory settings, for the peak-memory comparison: vLLM's
                share of the GPU is TRL's (0.3) and the learner recomputes activations
                (megatron.activation_checkpointing, as TRL's gradient checkpointing does).
+Every setting samples and trains over the tokenizer's ids only (`model.tokenizer_vocab_only`), as
+verl does (TRL does not): the random model's 151,936-row head has ~0.5 % of its mass on the
+tokenizer's 749 ids.
 
     python bench/peers/run_agentrl.py --workload multi --settings recommended,like --out peers.json
 """
@@ -53,7 +56,9 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
     max_len = wl.episode_tokens + 512
     colocated = wl.name == "long" and not args.cpu
     out = [
-        f"model.path={model}", "model.bootstrap_tiny=false", f"run_dir={args.workdir}/run-{wl.name}-{setting}", "sft.enabled=false",
+        # as verl samples (its vLLM server masks the logits past len(tokenizer)): only the tokenizer's
+        # ids, trained on the same masked distribution (bench/RESULTS.md, "Peers harness, 2026-11-27")
+        f"model.path={model}", "model.bootstrap_tiny=false", "model.tokenizer_vocab_only=true", f"run_dir={args.workdir}/run-{wl.name}-{setting}", "sft.enabled=false",
         f"env.id={ENV_ID}",
         f"env.kwargs={{texts_file: '{texts_file}', tool_calls: {wl.tool_calls}, latency_s: {wl.tool_latency_s}, "
         f"new_tokens: {wl.new_tokens}, max_turns: {wl.tool_calls + 1}}}",
@@ -149,7 +154,8 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(model)
     texts_file = Path(args.workdir) / f"texts-{wl.name}.json"
-    texts_file.write_text(json.dumps({"prompts": prompt_texts(tok, wl, 256), "observation": observation_text(tok, wl)}))
+    texts_file.write_text(json.dumps({"prompts": prompt_texts(tok, wl, 256), "observation": observation_text(tok, wl),
+                                      "special_tokens": list(tok.all_special_tokens)}))
     for setting in args.settings.split(","):
         write_result(run_setting(args, wl, model, str(texts_file), setting), Path(args.out))
 

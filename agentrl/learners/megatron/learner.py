@@ -43,7 +43,7 @@ from agentrl.learners.megatron.parallel import (
     init_parallel_state,
 )
 from agentrl.learners.megatron.weights import gather_hf_weights, load_hf_weights, read_hf_state_dict
-from agentrl.models import torch_dtype
+from agentrl.models import tokenizer_vocab_limit, torch_dtype
 from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, padded_length, unpack
 
 if TYPE_CHECKING:
@@ -116,6 +116,7 @@ class MegatronLearner:
             hf_config = AutoConfig.from_pretrained(str(self.model_path))
         self.hf_config = hf_config
         self.shape = ModelShape.from_hf_config(hf_config)
+        self.vocab_limit = tokenizer_vocab_limit(self.model_path, cfg.model.tokenizer_vocab_only)
         # Megatron trains in bf16/fp16 with fp32 master weights; model.dtype float32 (the CPU default) -> bf16.
         self.dtype = torch_dtype(cfg.model.dtype) if cfg.model.dtype != "float32" else torch.bfloat16
         self.model = self._build()
@@ -143,8 +144,8 @@ class MegatronLearner:
     # ------------------------------------------------------------------ building and data
     def _build(self) -> Any:
         mcfg = self.cfg.learner.megatron
-        model = build_model(self.shape, self.hf_config, mcfg, dtype=self.dtype,
-                            perform_initialization=True).to(self.device)
+        model = build_model(self.shape, self.hf_config, mcfg, dtype=self.dtype, perform_initialization=True,
+                            vocab_limit=self.vocab_limit).to(self.device)
         model.temperature = self.cfg.rollout.temperature or 1.0
         model.chunk_size = self.cfg.packing.logprob_chunk_size
         model.keep_grad_logits = mcfg.keep_grad_logits

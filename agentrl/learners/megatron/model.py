@@ -197,8 +197,11 @@ class AgentGPTModel(GPTModel):
 
 
 def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
-                use_cpu_initialization: bool = False, **config_overrides: Any) -> AgentGPTModel:
-    """This rank's pipeline stage of the model (parallel_state must be initialized)."""
+                use_cpu_initialization: bool = False, vocab_limit: int | None = None,
+                **config_overrides: Any) -> AgentGPTModel:
+    """This rank's pipeline stage of the model (parallel_state must be initialized). ``vocab_limit``
+    (``model.tokenizer_vocab_only``): the head's rows at or past it get probability 0 in every
+    logprob, as the padding rows of tensor parallelism do."""
     cfg = transformer_config(shape, mcfg, dtype=dtype, use_cpu_initialization=use_cpu_initialization,
                              **config_overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -221,5 +224,5 @@ def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dt
         cfg, spec, vocab_size=shape.padded_vocab_size(tp), max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=shape.tied_embeddings, parallel_output=True,
-        inv_freq=inv_freq, rope_scale=scale, real_vocab=shape.vocab_size, **te_rope,
+        inv_freq=inv_freq, rope_scale=scale, real_vocab=min(shape.vocab_size, vocab_limit or shape.vocab_size), **te_rope,
     )
