@@ -3,17 +3,17 @@
 The learner trains a PEFT adapter over a frozen base. A refit moves either the adapter's tensors
 (``learner.lora.serve: adapter``), named as PEFT saves them
 (``base_model.model.<module>.lora_A.weight``), which is also the layout vLLM's LoRA loader reads,
-or base + adapter merged as full weights (``serve: merged``). An adapter directory (``adapter_model.safetensors`` beside
-``adapter_config.json``) is the one format on disk: checkpoints, the engines' refits and
-:func:`merge_adapter` all use it. This module knows nothing of Ray or vLLM; peft and transformers
-are imported when used.
+or base + adapter merged as full weights (``serve: merged``). An adapter directory
+(``adapter_model.safetensors`` beside ``adapter_config.json``) is the one format on disk:
+checkpoints, the engines' refits and :func:`merge_adapter` all use it. This module knows nothing
+of Ray or vLLM; peft and transformers are imported when used.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def engine_max_rank(rank: int) -> int:
     raise ValueError(f"learner.lora.rank: {rank} exceeds vLLM's largest max_lora_rank ({_VLLM_RANKS[-1]})")
 
 
-def _peft_config(cfg: "LoRAConfig", base_path: str | Path | None = None):
+def _peft_config(cfg: LoRAConfig, base_path: str | Path | None = None):
     from peft import LoraConfig
 
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -63,13 +63,13 @@ def _peft_config(cfg: "LoRAConfig", base_path: str | Path | None = None):
     return config
 
 
-def adapter_config(cfg: "LoRAConfig", base_path: str | Path | None = None) -> dict[str, Any]:
+def adapter_config(cfg: LoRAConfig, base_path: str | Path | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` of an adapter made under ``cfg`` (what PEFT itself writes)."""
     config = _peft_config(cfg, base_path).to_dict()
     return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
 
 
-def wrap_model(model: "torch.nn.Module", cfg: "LoRAConfig", base_path: str | Path | None = None):
+def wrap_model(model: torch.nn.Module, cfg: LoRAConfig, base_path: str | Path | None = None):
     """``model`` as a PEFT model with fresh adapters (B = 0: the same outputs as the base); only the
     adapters train. The adapters take the base's dtype (a bf16 base keeps bf16 adapters, as vLLM
     serves them)."""
@@ -78,8 +78,8 @@ def wrap_model(model: "torch.nn.Module", cfg: "LoRAConfig", base_path: str | Pat
     return get_peft_model(model, _peft_config(cfg, base_path), autocast_adapter_dtype=False)
 
 
-def adapter_tensors(peft_model: Any, *, device: "str | torch.device | None" = "cpu",
-                    dtype: "torch.dtype | None" = None) -> dict[str, "torch.Tensor"]:
+def adapter_tensors(peft_model: Any, *, device: str | torch.device | None = "cpu",
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's saved names (what vLLM's LoRA loader reads): copies on
     ``device`` (``None``: the learner's own tensors, detached, for a GPU refit's flat buffer)."""
     from peft import get_peft_model_state_dict
@@ -94,7 +94,7 @@ def adapter_tensors(peft_model: Any, *, device: "str | torch.device | None" = "c
     return out
 
 
-def _deltas(base: Any) -> Iterator[tuple[str, "torch.Tensor"]]:
+def _deltas(base: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """``(Hugging Face weight name, scale * B @ A)`` of every adapted linear layer of ``base``
     (the PEFT model's base model), one layer at a time; call under ``torch.no_grad()``."""
     from peft.tuners.lora import LoraLayer
@@ -106,13 +106,13 @@ def _deltas(base: Any) -> Iterator[tuple[str, "torch.Tensor"]]:
                 yield f"{name}.weight", sum(module.get_delta_weight(a) for a in adapters)
 
 
-def _base_weights(base: Any) -> dict[str, "torch.Tensor"]:
+def _base_weights(base: Any) -> dict[str, torch.Tensor]:
     # The base's own tensors under Hugging Face names (PEFT's wrapper adds ".base_layer.").
     return {name.replace(".base_layer.", "."): t.detach() for name, t in base.state_dict().items()
             if ".lora_" not in name}
 
 
-def merged_weights(peft_model: Any, *, device: "str | torch.device" = "cpu") -> dict[str, "torch.Tensor"]:
+def merged_weights(peft_model: Any, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The base's Hugging Face-named weights with each adapter's ``scale * B @ A`` added: copies
     on ``device`` (the model is left unmerged)."""
     import torch
@@ -124,7 +124,7 @@ def merged_weights(peft_model: Any, *, device: "str | torch.device" = "cpu") -> 
     return out
 
 
-def merged_flat(peft_model: Any, device: "str | torch.device | None" = None) -> tuple["torch.Tensor", "FlatSpec"]:
+def merged_flat(peft_model: Any, device: str | torch.device | None = None) -> tuple[torch.Tensor, FlatSpec]:
     """:func:`merged_weights` packed straight into one flat refit buffer (the layout of
     :func:`agentrl.refit.flatten_weights`, on ``device``, default the model's): the base's tensors
     are copied in once and each adapted weight gets its delta added in place, so a GPU refit of
@@ -161,7 +161,7 @@ def merged_flat(peft_model: Any, device: "str | torch.device | None" = None) -> 
     return buf, spec
 
 
-def write_adapter_dir(path: str | Path, tensors: dict[str, "torch.Tensor"], config: dict[str, Any]) -> Path:
+def write_adapter_dir(path: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
     """Write an adapter directory (weights, then config: a reader that sees the config sees both)."""
     from safetensors.torch import save_file
 
