@@ -41,7 +41,8 @@ class LearnerActor(SyncDiag):
 
         torch.set_num_threads(max(1, int(cfg.learner.num_cpus)))
         self.rank = int(kwargs.get("rank", 0))
-        self.lora = cfg.learner.lora.enabled  # a refit moves the adapter's tensors only
+        self.lora = cfg.learner.lora.serves_adapter  # a refit moves the adapter's tensors only
+        self.merged = cfg.learner.lora.serves_merged  # a refit moves base + adapter as full weights
         self._refit_buf = None
         self._weight_group = None
         self._idle_since: float | None = None  # end of the last call that used the learner
@@ -68,8 +69,8 @@ class LearnerActor(SyncDiag):
     # -- GPU refit (agentrl/refit.py) -------------------------------------------------------------
     @_busy
     def export_for_refit(self, transport: str):
-        """Weights for one refit (with learner.lora: the adapter's tensors only): a dict of CPU
-        tensors (object_store), or, on rank 0, a
+        """Weights for one refit (with learner.lora served as an adapter: the adapter's tensors
+        only; served merged: base + adapter): a dict of CPU tensors (object_store), or, on rank 0, a
         RefitPayload whose flat GPU buffer this actor keeps until :meth:`release_refit`
         (cuda_ipc: the engines open its handle; nccl: :meth:`broadcast_weights` sends it).
         Collective under Megatron: every rank calls it; other ranks return None."""
@@ -80,11 +81,15 @@ class LearnerActor(SyncDiag):
         export = self.learner.export_adapter if self.lora else self.learner.export_weights
         if transport == "object_store":
             return export()
-        weights = export(device="cuda" if torch.cuda.is_available() else "cpu")
-        if self.rank != 0:
-            return None
-        self._refit_buf, spec = flatten_weights(weights)
-        del weights
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.merged:  # merged into the flat buffer itself: no merged copy of the model beside it
+            self._refit_buf, spec = self.learner.export_merged_flat(device)
+        else:
+            weights = export(device=device)
+            if self.rank != 0:
+                return None
+            self._refit_buf, spec = flatten_weights(weights)
+            del weights
         if self._refit_buf.is_cuda:
             torch.cuda.synchronize()  # the buffer is complete before another process reads it
         handle = ipc_handle(self._refit_buf) if transport == "cuda_ipc" else None

@@ -102,8 +102,16 @@ def resolve_fast_options(mcfg: MegatronConfig) -> dict[str, bool]:
 class LoRAConfig(Section):
     rank: int = Field(0, ge=0, le=512)
     """LoRA rank r; 0 (the default) trains every weight (full fine-tuning). With r > 0 the torch
-    learner trains PEFT adapters on ``target_modules`` over a frozen base, and each refit moves
-    only the adapter's tensors into engines started with LoRA enabled (docs/guides/lora.md)."""
+    learner trains PEFT adapters on ``target_modules`` over a frozen base; ``serve`` says what a
+    refit moves into the engines (docs/guides/lora.md)."""
+    serve: Literal["adapter", "merged"] = "adapter"
+    """How the engines serve the adapter. ``adapter``: the engines start with vLLM's LoRA enabled
+    and each refit moves only the adapter's tensors (megabytes; what matters across nodes or with
+    many engines), while every sampled token pays vLLM's LoRA kernels. ``merged``: the engines
+    start without LoRA and each refit moves the merged weights ``base + alpha / rank * B @ A`` as
+    full weights, by the run's transport, as full fine-tuning does: sampling at full speed, a
+    full-size refit (cheap when colocated on one GPU: CUDA IPC). Checkpoints hold the adapter
+    either way."""
     alpha: float = Field(16.0, gt=0)
     """LoRA scaling numerator: the update is ``alpha / rank * B @ A``."""
     dropout: float = Field(0.0, ge=0, lt=1)
@@ -119,6 +127,16 @@ class LoRAConfig(Section):
     def enabled(self) -> bool:
         return self.rank > 0
 
+    @property
+    def serves_adapter(self) -> bool:
+        """The engines run vLLM's LoRA and refits move the adapter's tensors only."""
+        return self.enabled and self.serve == "adapter"
+
+    @property
+    def serves_merged(self) -> bool:
+        """The engines run plain weights and refits move base + adapter, merged."""
+        return self.enabled and self.serve == "merged"
+
     @model_validator(mode="after")
     def _check(self) -> LoRAConfig:
         if not self.target_modules:
@@ -128,6 +146,9 @@ class LoRAConfig(Section):
             raise ValueError(f"learner.lora.target_modules: {', '.join(bad)} cannot be adapted (the learner's "
                              "chunked logprobs read the LM head's weight; vLLM adapts linear layers only); "
                              "keep the decoder's linear layers, e.g. q_proj, v_proj")
+        if not self.enabled and self.serve == "merged":
+            warnings.warn("learner.lora.serve=merged has no effect while learner.lora.rank is 0 (full "
+                          "fine-tuning); set learner.lora.rank > 0 to train an adapter", stacklevel=2)
         if self.enabled and self.dropout > 0:
             warnings.warn(f"learner.lora.dropout={self.dropout} has no effect: the learner runs in eval mode, "
                           "like the engine that sampled the tokens", stacklevel=2)

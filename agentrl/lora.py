@@ -1,16 +1,18 @@
 """LoRA adapters through PEFT: wrapping the learner's model, the adapter's tensors, merged exports.
 
-The learner trains a PEFT adapter over a frozen base; a refit moves only the adapter's tensors,
-named as PEFT saves them (``base_model.model.<module>.lora_A.weight``), which is also the layout
-vLLM's LoRA loader reads. An adapter directory (``adapter_model.safetensors`` beside
-``adapter_config.json``) is the one format on disk: checkpoints, the engines' refits and
-:func:`merge_adapter` all use it. This module knows nothing of Ray or vLLM; peft and transformers
-are imported when used.
+The learner trains a PEFT adapter over a frozen base. A refit moves either the adapter's tensors
+(``learner.lora.serve: adapter``), named as PEFT saves them
+(``base_model.model.<module>.lora_A.weight``), which is also the layout vLLM's LoRA loader reads,
+or base + adapter merged as full weights (``serve: merged``). An adapter directory
+(``adapter_model.safetensors`` beside ``adapter_config.json``) is the one format on disk:
+checkpoints, the engines' refits and :func:`merge_adapter` all use it. This module knows nothing
+of Ray or vLLM; peft and transformers are imported when used.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +20,7 @@ if TYPE_CHECKING:
     import torch
 
     from agentrl.config import LoRAConfig
+    from agentrl.refit import FlatSpec
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -27,6 +30,7 @@ __all__ = [
     "engine_max_rank",
     "merge_adapter",
     "merge_run",
+    "merged_flat",
     "merged_weights",
     "wrap_model",
     "write_adapter_dir",
@@ -49,7 +53,7 @@ def engine_max_rank(rank: int) -> int:
     raise ValueError(f"learner.lora.rank: {rank} exceeds vLLM's largest max_lora_rank ({_VLLM_RANKS[-1]})")
 
 
-def _peft_config(cfg: "LoRAConfig", base_path: str | Path | None = None):
+def _peft_config(cfg: LoRAConfig, base_path: str | Path | None = None):
     from peft import LoraConfig
 
     config = LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout,
@@ -59,13 +63,13 @@ def _peft_config(cfg: "LoRAConfig", base_path: str | Path | None = None):
     return config
 
 
-def adapter_config(cfg: "LoRAConfig", base_path: str | Path | None = None) -> dict[str, Any]:
+def adapter_config(cfg: LoRAConfig, base_path: str | Path | None = None) -> dict[str, Any]:
     """The ``adapter_config.json`` of an adapter made under ``cfg`` (what PEFT itself writes)."""
     config = _peft_config(cfg, base_path).to_dict()
     return json.loads(json.dumps(config, default=lambda o: sorted(o) if isinstance(o, set) else str(o)))
 
 
-def wrap_model(model: "torch.nn.Module", cfg: "LoRAConfig", base_path: str | Path | None = None):
+def wrap_model(model: torch.nn.Module, cfg: LoRAConfig, base_path: str | Path | None = None):
     """``model`` as a PEFT model with fresh adapters (B = 0: the same outputs as the base); only the
     adapters train. The adapters take the base's dtype (a bf16 base keeps bf16 adapters, as vLLM
     serves them)."""
@@ -74,8 +78,8 @@ def wrap_model(model: "torch.nn.Module", cfg: "LoRAConfig", base_path: str | Pat
     return get_peft_model(model, _peft_config(cfg, base_path), autocast_adapter_dtype=False)
 
 
-def adapter_tensors(peft_model: Any, *, device: "str | torch.device | None" = "cpu",
-                    dtype: "torch.dtype | None" = None) -> dict[str, "torch.Tensor"]:
+def adapter_tensors(peft_model: Any, *, device: str | torch.device | None = "cpu",
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """The adapter's tensors under PEFT's saved names (what vLLM's LoRA loader reads): copies on
     ``device`` (``None``: the learner's own tensors, detached, for a GPU refit's flat buffer)."""
     from peft import get_peft_model_state_dict
@@ -90,29 +94,74 @@ def adapter_tensors(peft_model: Any, *, device: "str | torch.device | None" = "c
     return out
 
 
-def merged_weights(peft_model: Any, *, device: "str | torch.device" = "cpu") -> dict[str, "torch.Tensor"]:
-    """The base's Hugging Face-named weights with each adapter's ``scale * B @ A`` added (the model
-    is left unmerged)."""
+def _deltas(base: Any) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(Hugging Face weight name, scale * B @ A)`` of every adapted linear layer of ``base``
+    (the PEFT model's base model), one layer at a time; call under ``torch.no_grad()``."""
     from peft.tuners.lora import LoraLayer
 
-    base = peft_model.get_base_model()
-    deltas = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer) and module.active_adapters:
-            deltas[f"{name}.base_layer.weight"] = sum(module.get_delta_weight(a) for a in module.active_adapters
-                                                      if a in module.lora_A)
-    out = {}
-    for name, tensor in base.state_dict().items():
-        if ".lora_" in name:
-            continue
-        t = tensor.detach()
-        if name in deltas:
-            t = t + deltas[name].to(t.dtype)
-        out[name.replace(".base_layer.", ".")] = t.to(device, copy=True)
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            if adapters:
+                yield f"{name}.weight", sum(module.get_delta_weight(a) for a in adapters)
+
+
+def _base_weights(base: Any) -> dict[str, torch.Tensor]:
+    # The base's own tensors under Hugging Face names (PEFT's wrapper adds ".base_layer.").
+    return {name.replace(".base_layer.", "."): t.detach() for name, t in base.state_dict().items()
+            if ".lora_" not in name}
+
+
+def merged_weights(peft_model: Any, *, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """The base's Hugging Face-named weights with each adapter's ``scale * B @ A`` added: copies
+    on ``device`` (the model is left unmerged)."""
+    import torch
+
+    with torch.no_grad():
+        out = {name: t.to(device, copy=True) for name, t in _base_weights(peft_model.get_base_model()).items()}
+        for name, delta in _deltas(peft_model.get_base_model()):
+            out[name].add_(delta.to(device=out[name].device, dtype=out[name].dtype))
     return out
 
 
-def write_adapter_dir(path: str | Path, tensors: dict[str, "torch.Tensor"], config: dict[str, Any]) -> Path:
+def merged_flat(peft_model: Any, device: str | torch.device | None = None) -> tuple[torch.Tensor, FlatSpec]:
+    """:func:`merged_weights` packed straight into one flat refit buffer (the layout of
+    :func:`agentrl.refit.flatten_weights`, on ``device``, default the model's): the base's tensors
+    are copied in once and each adapted weight gets its delta added in place, so a GPU refit of
+    merged weights holds the buffer and one layer's delta, never a merged copy of the model beside
+    the buffer.
+
+    Example:
+        >>> import torch
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> from agentrl.config import LoRAConfig
+        >>> from agentrl.refit import unflatten_weights
+        >>> base = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
+        >>> model = wrap_model(base, LoRAConfig(rank=2))
+        >>> _ = [torch.nn.init.normal_(p) for n, p in model.named_parameters() if ".lora_B." in n]
+        >>> buf, spec = merged_flat(model)
+        >>> want = merged_weights(model)
+        >>> all(torch.equal(t, want[n]) for n, t in unflatten_weights(buf, spec))
+        True
+    """
+    import torch
+
+    from agentrl.refit import flatten_weights, unflatten_weights
+
+    base = peft_model.get_base_model()
+    with torch.no_grad():
+        buf, spec = flatten_weights(_base_weights(base), device)
+        views = dict(unflatten_weights(buf, spec))
+        for name, delta in _deltas(base):
+            if name not in views:  # left out as a tied copy of another tensor: the engine would re-tie the base
+                raise ValueError(f"merged refit: the adapted weight {name} shares its memory with another "
+                                 "weight (tied); remove its module from learner.lora.target_modules")
+            views[name].add_(delta.to(device=buf.device, dtype=views[name].dtype))
+    return buf, spec
+
+
+def write_adapter_dir(path: str | Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> Path:
     """Write an adapter directory (weights, then config: a reader that sees the config sees both)."""
     from safetensors.torch import save_file
 

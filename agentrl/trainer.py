@@ -172,7 +172,7 @@ class Trainer(Supervision):
         self.compile_cache_dir = tempfile.mkdtemp(prefix="agentrl-compile-")
         self.engines = [
             EngineActor.options(**engine_opts[i], max_restarts=-1, max_task_retries=0).remote(self.model_path, cfg.engine, dtype=cfg.model.dtype, seed=cfg.seed + i, weight_source=replay_name,
-                     enable_sleep_mode=self.sleeping_engines, lora=cfg.learner.lora if cfg.learner.lora.enabled else None,
+                     enable_sleep_mode=self.sleeping_engines, lora=cfg.learner.lora if cfg.learner.lora.serves_adapter else None,
                      compile_cache_dir=self.compile_cache_dir,
                      vocab_limit=tokenizer_vocab_limit(self.model_path, cfg.model.tokenizer_vocab_only))
             for i in range(cfg.engine.num_engines)
@@ -200,9 +200,10 @@ class Trainer(Supervision):
             self._init_weight_group()
         if self.resume:
             self._restore()
-        elif cfg.learner.lora.enabled:
+        elif cfg.learner.lora.serves_adapter:
             # Every request runs on the policy's adapter from the start (a fresh one equals the base):
             # an in-flight request never switches from the base to an adapter at a later refit.
+            # (Served merged, the engines start on the base, which a fresh adapter merges to.)
             self.refit()
         self.rollout_generation = [0] * cfg.rollout.num_actors
         self.rollouts = [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
@@ -542,8 +543,9 @@ class Trainer(Supervision):
                     waiting_s = metrics.get("timing/learner_idle", 0.0)
                 else:
                     pending = None
-                    # Level 2 drops the weights, which a full refit replaces; with LoRA the base stays (level 1).
-                    level = 2 if refit_due and not cfg.learner.lora.enabled else 1
+                    # Level 2 drops the weights, which a full refit replaces (full fine-tuning, LoRA
+                    # served merged); an adapter refit keeps the base (level 1).
+                    level = 2 if refit_due and not cfg.learner.lora.serves_adapter else 1
                     sleep_s = self._sleep_engines(level=level) if self.sleeping_engines else 0.0
                     t1b = time.perf_counter()
                     metrics = self._learner_step(self.learner.train_step.remote(groups), groups)

@@ -7,8 +7,19 @@
 #                                         # PEFT into /tmp/site; refit seconds/MB at 1.5B and 7B
 #                                         # (full vs adapter), the largest shape that trains, and
 #                                         # engine-vs-learner logprobs with an adapter at 1.5B
-#   bash bench/device_lora.sh b           # trajectories/s of the GPU loop with the torch learner,
-#                                         # LoRA vs full fine-tuning, at 1.5B
+#   bash bench/device_lora.sh b           # trajectories/s of the GPU loop with the torch learner at
+#                                         # 1.5B: full fine-tuning, LoRA served merged, LoRA served
+#                                         # as an adapter (in that order; the JSON is rewritten
+#                                         # after each), then each LoRA mode / full
+#   bash bench/device_lora.sh b7          # the same at the Qwen2.5-7B shape (GRPO on one GPU,
+#                                         # random weights; full fine-tuning may OOM: that is data)
+# The device commands for issue 31's serve=merged comparison, after the three carry calls (the
+# third with carry [".carry/c3", ".peers/lora"] and `install` in front), each its own run call
+# with timeout_s 600 on the same warm machine:
+#   bash bench/device_lora.sh b           # 60 s windows, the three learners in one call
+#   bash bench/device_lora.sh b7
+# RESULTS' earlier 1.5B figures used 120 s windows, one learner per call:
+#   B_ARGS="--learners torch_lora_merged --e2e-seconds 120" bash bench/device_lora.sh b
 #   bash bench/device_lora.sh tests       # the CPU LoRA tests on the GPU's engine (optional)
 # Everything lands in $OUT (lora_a.json, lora_b.json, logs). A_ARGS / B_ARGS: extra bench options.
 set -o pipefail
@@ -27,11 +38,15 @@ for step in "$@"; do
       python3 -c "import torch, vllm, peft; print('torch', torch.__version__, 'vllm', vllm.__version__, 'peft', peft.__version__)" || rc=1 ;;
     a) timeout -k 20 "${A_TIMEOUT:-500}" python3 bench/lora.py --parts refit,fit,agreement --out "$OUT/lora_a.json" ${A_ARGS:-} 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/lora_a.log" || rc=1 ;;
-    b) timeout -k 20 "${B_TIMEOUT:-510}" python3 bench/lora.py --parts e2e --out "$OUT/lora_b.json" ${B_ARGS:-} 2>&1 \
+    b) timeout -k 20 "${B_TIMEOUT:-570}" python3 bench/lora.py --parts e2e --out "$OUT/lora_b.json" \
+         --learners torch_full,torch_lora_merged,torch_lora ${B_ARGS:-} 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/lora_b.log" || rc=1 ;;
+    b7) timeout -k 20 "${B7_TIMEOUT:-570}" python3 bench/lora.py --parts e2e --e2e-shape 7b --out "$OUT/lora_b7.json" \
+         --learners torch_full,torch_lora_merged,torch_lora ${B_ARGS:-} 2>&1 \
+         | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/lora_b7.log" || rc=1 ;;
     tests) timeout -k 20 "${T_TIMEOUT:-400}" python3 -m pytest -q -x -s -p no:cacheprovider tests/test_lora.py 2>&1 \
          | grep -v "Warning\|warn(" | tee "$OUT/lora_tests.log" || rc=1 ;;
-    *) echo "device_lora: unknown step '$step' (install | a | b | tests)"; rc=2 ;;
+    *) echo "device_lora: unknown step '$step' (install | a | b | b7 | tests)"; rc=2 ;;
   esac
   # anything a killed run left on the GPU would skew the next part (bracketed: never this script)
   for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done

