@@ -23,8 +23,12 @@ from agentrl.trajectory import Trajectory, TrajectoryGroup
 
 def test_deterministic_is_on_policy_with_one_actor_and_seeded_requests():
     with pytest.warns(UserWarning, match=r"replay.max_staleness 1 -> 0, rollout.num_actors 2 -> 1"):
-        cfg = load_config("configs/quickstart.yaml", ["train.deterministic=true", "seed=5"])
+        cfg = load_config(None, ["train.deterministic=true", "seed=5", "replay.max_staleness=1", "rollout.num_actors=2"])
     assert (cfg.replay.max_staleness, cfg.rollout.num_actors, cfg.rollout.sampling_seed) == (0, 1, 5)
+    with warnings.catch_warnings():  # the quickstart is deterministic by default and says so itself
+        warnings.simplefilter("error")
+        cfg = load_config("configs/quickstart.yaml", ["seed=5"])
+    assert cfg.train.deterministic and (cfg.replay.max_staleness, cfg.rollout.num_actors, cfg.rollout.sampling_seed) == (0, 1, 5)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         cfg = load_config(None, ["train.deterministic=true", "replay.max_staleness=0", "rollout.num_actors=1",
