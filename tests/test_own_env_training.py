@@ -24,8 +24,9 @@ def test_agentrl_train_on_the_readme_env(tiny_model_dir, tmp_path):
     """The command of docs/guides/training-your-env.md, run as a user would: the console script,
     from the project directory, with no PYTHONPATH."""
     run_dir = tmp_path / "run"
+    # (the session's tiny model has no induction pre-stage; the quickstart config asks for one)
     overrides = e2e_overrides(tiny_model_dir, run_dir, "env.id=examples.units_env:my/Units-v0", *TRAIN,
-                              "eval.num_episodes=2")
+                              "eval.num_episodes=2", "model.tiny.induction_steps=0")
     cmd = [str(Path(sys.executable).parent / "agentrl"), "train", "configs/quickstart.yaml", *overrides, "--no-progress"]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
