@@ -64,6 +64,7 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
         # pinned here (flags) so that tuning the quickstart does not move this benchmark
         f"replay.groups_per_step={groups_per_step}", f"rollout.temperature={temperature}", f"learner.lr={lr}",
         f"train.time_limit_s={seconds}", "eval.num_episodes=0", "train.checkpoint_interval=0",
+        "train.deterministic=false",  # the quickstart's default is deterministic (on-policy); this compares staleness
         *overrides,
     ])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
