@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
+import threading
 from typing import Any
 
 import ray
@@ -21,9 +23,29 @@ from agentrl.watchdog import ActorReport, RunStopped
 __all__ = ["Supervision"]
 
 
+def _stop_as_on_ctrl_c(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
+
+
 class Supervision:
     """Fault handling of the driver (see the module docstring); the attributes it reads are the
     Trainer's (``engines``, ``rollouts``, ``replay``, ``watchdog``, ``engines_version`` ...)."""
+
+    def _take_sigterm(self) -> None:
+        """From here to ``_give_back_sigterm`` (shutdown), a SIGTERM (what `kill`, `timeout`, job
+        schedulers and container runtimes send) stops the run as Ctrl-C does: a KeyboardInterrupt
+        unwinds to ``shutdown``, which kills the actors and removes the run's temp files. Called
+        after ``ray.init``: the handler Ray's driver installs there ends the process at once (exit
+        -6), which left Ray's agent processes, the engine's temp dir and the run's compile cache
+        behind (bench/soak.py, 2026-11-27). Main thread only (Python's rule for handlers)."""
+        if threading.current_thread() is threading.main_thread():
+            self._sigterm_before = signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
+
+    def _give_back_sigterm(self) -> None:
+        before = getattr(self, "_sigterm_before", None)
+        if before is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, before)
+            self._sigterm_before = None
 
     def _replace_rollout(self, i: int, why: str) -> None:
         """A rollout actor died or froze: kill it, give its replay slots back (its groups in flight

@@ -143,6 +143,7 @@ class Trainer(Supervision):
         elif cfg.cluster.runtime_env:  # Ray takes local paths at the job level only: ray.init's
             warnings.warn("cluster.runtime_env has no effect: Ray was initialized before the Trainer started; "
                           "pass runtime_env=trainer.runtime_env to ray.init instead", stacklevel=2)
+        self._take_sigterm()
         # The replay queue (and the staged weights) lives on the driver's node: it holds the run's
         # in-flight state, and a node that holds an engine may go away (tests/test_cluster.py).
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -714,3 +715,4 @@ class Trainer(Supervision):
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(self.placement_group)
             self.placement_group = None
+        self._give_back_sigterm()

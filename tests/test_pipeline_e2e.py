@@ -122,10 +122,10 @@ def test_plot_renders_real_run(e2e_run):
         assert colors is not None and len(colors) > 20, f"{p.name} looks blank"
 
 
-def _agentrl(*args, cwd=REPO, log=None):
+def _agentrl(*args, cwd=REPO, log=None, env_vars=None):
     """`agentrl ARGS` in a subprocess; its output goes to ``log`` (a file) if given, else to a pipe
     (read it with communicate(): an unread pipe fills up and blocks the process)."""
-    env = dict(os.environ, PYTHONPATH=REPO)
+    env = dict(os.environ, PYTHONPATH=REPO, **(env_vars or {}))
     out = open(log, "w") if log is not None else subprocess.PIPE  # noqa: SIM115 (the child owns it)
     # SIGINT back to the default in the child: a test session started as a background job inherits
     # "ignore SIGINT", and Python then installs no KeyboardInterrupt handler, so the interrupt
@@ -326,3 +326,48 @@ def test_deterministic_runs_train_on_the_same_batches_at_any_concurrency(tiny_mo
             if key in a:
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
     assert w_a.keys() == w_b.keys() and all(w_a[k].equal(w_b[k]) for k in w_a), "the weights differ"
+
+
+def test_sigterm_stops_the_run_as_ctrl_c_does(tiny_model_dir, tmp_path):
+    """A SIGTERM (kill, timeout, a job scheduler) while it trains: the run shuts down as on Ctrl-C,
+    so no process of its tree outlives it and no temp file of its engines is left. Before the fix,
+    Ray's driver handler aborted the process (exit -6) and left Ray's agent processes, the engine's
+    temp dir and the run's compile cache (bench/soak.py, 2026-11-27)."""
+    import shutil
+    import tempfile
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    tmp = Path(tempfile.mkdtemp(prefix="sigterm-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
+    try:
+        _sigterm_run(tiny_model_dir, tmp_path, run_dir, tmp, psutil)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _sigterm_run(tiny_model_dir, tmp_path, run_dir, tmp, psutil):
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text("")
+    log = tmp_path / "run.log"
+    proc = _agentrl("train", str(cfg_path), *e2e_overrides(tiny_model_dir, run_dir, "train.num_steps=200"),
+                    "--no-progress", log=log, env_vars={"TMPDIR": str(tmp)})
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.time() + 400
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and '"train/loss"' in metrics.read_text():
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, log.read_text()[-3000:]
+    assert any(p.name.startswith("agentrl-compile-") for p in tmp.iterdir()), sorted(tmp.iterdir())
+    tree = psutil.Process(proc.pid).children(recursive=True)
+    assert any("EngineActor" in " ".join(p.cmdline()) for p in tree if p.is_running())
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=180)
+    text = log.read_text()
+    assert proc.returncode != -6 and "SIGTERM received" not in text, text[-3000:]
+    assert "stopped by signal SIGTERM" in text, text[-3000:]
+    _, alive = psutil.wait_procs(tree, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], [(p.pid, p.name()) for p in alive]
+    left = sorted(p.name for p in tmp.iterdir() if p.name.startswith(("agentrl-compile-", "agentrl-engine-")))
+    assert not left, left
