@@ -12,7 +12,6 @@ import json
 import os
 import pickle
 import shutil
-import sys
 import tempfile
 import time
 import uuid
@@ -32,6 +31,7 @@ from agentrl.refit import resolve_transport
 from agentrl.rollout import summarize
 from agentrl.supervision import Supervision
 from agentrl.watchdog import RunStalled, RunStopped
+from agentrl.weight_sync import WeightSync
 
 __all__ = ["Trainer"]
 
@@ -62,7 +62,7 @@ def ray_init_kwargs(address: str | None = None, num_cpus: int | None = None,
     }
 
 
-class Trainer(Supervision):
+class Trainer(Supervision, WeightSync):
     """Owns the actors of one run.
 
     Args:
@@ -262,152 +262,6 @@ class Trainer(Supervision):
         ]
         ray.get([t.start.remote() for t in teachers])
         return teachers
-
-    def _init_weight_group(self) -> None:
-        """The nccl transport's process group: the learner's rank 0 and one rank per engine worker
-        (engines with tensor parallelism > 1 are not supported by this transport yet)."""
-        from agentrl.actors.learner import _address
-
-        world = 1 + len(self.engines)
-        host, port = ray.get(_address.options(scheduling_strategy=self._learner_node()).remote())
-        backend = "nccl" if self.cfg.engine.num_gpus > 0 else "gloo"
-        refs = [self.learner.init_weight_group.remote(host, port, world)]
-        refs += [e.init_weight_group.remote(host, port, 1 + i, world, backend) for i, e in enumerate(self.engines)]
-        ray.get(refs)
-
-    def _learner_node(self):
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        return NodeAffinitySchedulingStrategy(node_id=ray.get(self.learner.node_id.remote()), soft=False)
-
-    def refit(self) -> float:
-        """Push the learner's weights to every engine and wait for them; returns seconds taken."""
-        self._wait_refit()
-        # On the refit thread, waited for under the watchdog: a frozen engine cannot hold it forever.
-        self._refit_future = self._refit_pool.submit(self._refit_engines, self._export(), self.version)
-        self._wait_refit()
-        return self._last_refit_s
-
-    def _export(self, *, overlapped: bool = False) -> Any:
-        """Queue the learner's weight export for a refit (before its next step: actor calls from
-        one caller run in order); for nccl the broadcast is queued right behind it, so the
-        engines never wait for a training step to receive.
-
-        The last refit's buffer release is queued before this export, so two buffers never
-        coexist. Its result is checked here (re-raising its error); ``overlapped`` (the step in
-        flight sits between the two): the release before it is checked instead, done by now."""
-        if overlapped:
-            if self._checked_release is not None:
-                ray.get(self._checked_release)
-            self._checked_release, self._release_ref = self._release_ref, None
-        elif self._release_ref is not None:
-            ray.get(self._release_ref)  # done by now (queued before this export); re-raises its error
-            self._release_ref = None
-        payload = self.learner.export_for_refit.remote(self.transport)
-        if self.transport == "nccl":
-            self._broadcast_ref = self.learner.broadcast_weights.remote()
-        return payload
-
-    def _refit_engines(self, payload: Any, version: int) -> float:
-        """Load the exported weights into every engine, then open admission at ``version``.
-
-        object_store: the weights (an ObjectRef: stored once, read by each engine) are staged in
-        the replay actor too, so an engine that restarts catches up from them. GPU transports send
-        a small payload (a CUDA IPC handle, or the layout of the broadcast); the learner drops its
-        flat buffer once every engine has loaded."""
-        t0 = time.perf_counter()
-        try:
-            self._load_engines(payload, version)
-        except ray.exceptions.ObjectLostError as exc:
-            # The weights' object was lost (evicted, its owner's node gone, freed): export them
-            # again and load those. The learner may have stepped since, so the engines can get
-            # weights one step newer than `version` (the tokens' logprobs are still the engine's
-            # own, so the IS correction holds; only the staleness count is off by one).
-            self.num_refit_retries += 1
-            print(f"agentrl: the refit to version {version} lost its weights ({type(exc).__name__}); "
-                  "exporting them again", file=sys.stderr, flush=True)
-            payload = self.learner.export_for_refit.remote(self.transport)
-            if self.transport == "nccl":
-                self._broadcast_ref = self.learner.broadcast_weights.remote()
-            self._load_engines(payload, version)
-        ray.get(self.replay.set_weights_version.remote(version))
-        self.engines_version = version
-        if self.transport != "object_store":
-            # Not waited for: with the learner stepping beside the engines (split placement) the
-            # release queues behind its step, which held admission at the old version and counted
-            # a whole step as refit time (6.3 s of a 0.7 s refit at 1.5B). It runs before the next
-            # export (actor calls run in order); _export checks its result.
-            self._release_ref = self.learner.release_refit.remote()
-        return time.perf_counter() - t0
-
-    def _load_engines(self, payload: Any, version: int) -> None:
-        if self.transport == "object_store":
-            ray.get(self.replay.stage_weights.remote(version, [payload]))
-        else:
-            payload = ray.get(payload)
-        for ref in [e.update_weights.remote(payload, version, self.cfg.refit.mode) for e in self.engines]:
-            try:
-                ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError):
-                # The engine died or is restarting; it loads the staged weights before its next request.
-                self.engines_unavailable_at_refit += 1
-        if self.transport == "nccl":
-            ray.get(self._broadcast_ref)
-
-    def _start_refit(self) -> float:
-        """Begin a refit to the current version in the background; returns seconds spent waiting
-        for the previous one. The snapshot call is queued on the learner before its next step
-        (actor calls from one caller run in order), so the learner's next step overlaps the
-        engines' weight load instead of waiting for it; admission opens at the new version only
-        once every engine serves it, so the staleness bound is unchanged."""
-        waited = self._wait_refit()
-        payload = self._export()
-        self._refit_future = self._refit_pool.submit(self._refit_engines, payload, self.version)
-        return waited
-
-    def _wait_refit(self) -> float:
-        """Block until the background refit (if any) is done; re-raises its error."""
-        t0 = time.perf_counter()
-        future, self._refit_future = self._refit_future, None
-        if future is not None:
-            if self.watchdog is None:
-                self._last_refit_s = future.result()
-            else:  # a frozen engine holds the refit: the watchdog kills it, the refit goes on without it
-                self._last_refit_s = self.watchdog.result("refit", future, what=f"the refit to version {self.version}",
-                                                          recover=self._recover, focus=self._engine_names())
-        return time.perf_counter() - t0
-
-    def _sleep_engines(self, level: int) -> float:
-        """Colocated: engines drain and release their GPU memory before the learner steps."""
-        t0 = time.perf_counter()
-        self._on_engines("engine_sleep", "sleep", level)
-        return time.perf_counter() - t0
-
-    def _wake_engines(self) -> float:
-        t0 = time.perf_counter()
-        self._get("engine_wake", self.learner.free_memory.remote(), "the learner's free_memory", recover=False)
-        self._on_engines("engine_wake", "wake_up")
-        return time.perf_counter() - t0
-
-    def _wake_failure(self, exc: Exception, mem: dict[str, float]) -> Exception:
-        """A colocated engine that cannot wake for lack of GPU memory: say what holds it and what to change.
-        The watchdog's own stops (RunStopped: its report, exit status 3) pass through as they are,
-        whatever their report quotes; so does any other failure."""
-        text = str(exc).lower()
-        # vLLM's start-up check: an engine restarted (by Ray) while the learner holds its memory
-        restarted = "less than desired gpu memory utilization" in text or "less than the engine's budget" in text
-        if isinstance(exc, RunStopped) or not ("out of memory" in text or restarted):
-            return exc
-        share = self.cfg.engine.gpu_memory_utilization
-        held = mem.get("reserved_gib")
-        what = "a restarted engine could not start" if restarted else "a sleeping engine could not wake"
-        return RuntimeError(
-            f"{what}: out of GPU memory. It asks for engine.gpu_memory_utilization={share} "
-            f"of the GPU while the learner still holds {'?' if held is None else f'{held:.1f}'} GiB (its weights, "
-            "optimizer state and refit buffer stay resident while the engine sleeps). Lower "
-            "engine.gpu_memory_utilization to what the KV cache needs, or shrink the learner "
-            "(learner.megatron.activation_checkpointing=true, a smaller packing.max_tokens_per_microbatch)."
-        )
 
     def evaluate(self, label: str) -> dict[str, float]:
         ev = self.cfg.eval

@@ -138,10 +138,12 @@ def test_floors_match_roles():
     graph = import_graph(modules)
     importers_of_trainer = {m for m, deps in graph.items() if "agentrl.trainer" in deps}
     assert importers_of_trainer <= {"agentrl.pipeline"}, importers_of_trainer
-    # the driver is two modules: the loop (trainer) and its fault handling (supervision, a part of it)
-    importers_of_supervision = {m for m, deps in graph.items() if "agentrl.supervision" in deps}
-    assert importers_of_supervision <= {"agentrl.trainer"}, importers_of_supervision
-    driver = {"agentrl.trainer", "agentrl.supervision"}
+    # the driver is three modules: the loop (trainer), its fault handling (supervision) and its
+    # weight syncs (weight_sync), parts of it that only the loop imports
+    for part in ("agentrl.supervision", "agentrl.weight_sync"):
+        importers = {m for m, deps in graph.items() if part in deps}
+        assert importers <= {"agentrl.trainer"}, (part, importers)
+    driver = {"agentrl.trainer", "agentrl.supervision", "agentrl.weight_sync"}
     for name, path in modules.items():
         external = _external_imports(path)
         if not (name.startswith("agentrl.actors") or name in driver):
