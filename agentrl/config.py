@@ -167,6 +167,12 @@ class ClusterConfig(Section):
     first (Ray's `task_events_max_num_task_in_gcs`). Ray's default, 100,000, let gcs_server grow
     to about 330 MiB in an hour's soak run (about 3 KB a task; bench/RESULTS.md, issue 33). A
     cluster agentrl joins keeps its own setting."""
+    worker_niceness: int | None = Field(None, ge=0, le=19)
+    """When agentrl starts Ray itself: the nice value of Ray's worker processes, i.e. every actor
+    (engines, learner, rollouts), added to the driver's. None keeps Ray's default, 15: on a machine
+    shared with busy processes at normal priority the actors then get the CPU last (beside one
+    busy-loop process a CPU quickstart's engine got 2-3 % of a core for 20 minutes; bench/RESULTS.md,
+    issue 35). 0 runs them at the driver's priority. A cluster agentrl joins keeps its own."""
     placement_timeout_s: float = Field(300.0, gt=0)
     """Colocated runs: how long to wait for Ray to place the one-GPU bundles (learner rank i with
     its engines) before stopping with an error that says what the cluster lacks."""

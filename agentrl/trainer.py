@@ -45,11 +45,15 @@ def __getattr__(name: str):
 
 
 def ray_init_kwargs(address: str | None = None, num_cpus: int | None = None,
-                    runtime_env: dict[str, Any] | None = None, max_task_events: int = 10_000) -> dict[str, Any]:
+                    runtime_env: dict[str, Any] | None = None, max_task_events: int = 10_000,
+                    worker_niceness: int | None = None) -> dict[str, Any]:
     """``ray.init``'s arguments when the trainer starts or joins Ray (the ``cluster`` config's
     fields; tools/ray_restart_diag.py starts Ray with them too). A cluster that is joined keeps its
     own system config: Ray refuses ``_system_config`` when it does not start the cluster."""
-    started = {} if address else {"_system_config": {"task_events_max_num_task_in_gcs": max_task_events}}
+    system: dict[str, Any] = {"task_events_max_num_task_in_gcs": max_task_events}
+    if worker_niceness is not None:
+        system["worker_niceness"] = worker_niceness
+    started = {} if address else {"_system_config": system}
     return started | {
         # None starts a local cluster, as cluster.address promises: Ray would otherwise join
         # whatever cluster `ray start` last left on this machine (RAY_ADDRESS included).
@@ -139,7 +143,7 @@ class Trainer(Supervision, WeightSync):
         cfg = self.cfg
         if not ray.is_initialized():
             ray.init(**ray_init_kwargs(cfg.cluster.address, cfg.cluster.num_cpus, self.runtime_env,
-                                       cfg.cluster.max_task_events))
+                                       cfg.cluster.max_task_events, cfg.cluster.worker_niceness))
         elif cfg.cluster.runtime_env:  # Ray takes local paths at the job level only: ray.init's
             warnings.warn("cluster.runtime_env has no effect: Ray was initialized before the Trainer started; "
                           "pass runtime_env=trainer.runtime_env to ray.init instead", stacklevel=2)

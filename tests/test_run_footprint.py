@@ -48,13 +48,39 @@ def test_trainer_starts_ray_with_the_config_bound(tiny_model_dir, tmp_path, monk
     monkeypatch.setattr(trainer_mod.ray, "is_initialized", lambda: False)
     monkeypatch.setattr(trainer_mod.ray, "init", fake_init)
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "sft.enabled=false",
-                             "cluster.max_task_events=1234"])
+                             "cluster.max_task_events=1234", "cluster.worker_niceness=0"])
     with pytest.raises(Stop):
         trainer_mod.Trainer(cfg, progress=False).start()
-    assert seen["_system_config"] == {"task_events_max_num_task_in_gcs": 1234}
+    assert seen["_system_config"] == {"task_events_max_num_task_in_gcs": 1234, "worker_niceness": 0}
     # a cluster that is joined keeps its own system config (Ray refuses one from a joining driver)
     joined = trainer_mod.ray_init_kwargs("ray://head:10001", None, None, 1234)
     assert "_system_config" not in joined and joined["address"] == "ray://head:10001"
+
+
+@pytest.mark.parametrize("niceness", [None, 0])
+def test_worker_niceness_sets_the_actors_priority(niceness):
+    """Ray starts its workers at nice 15 over the driver's unless cluster.worker_niceness says
+    otherwise; 0 puts the actors at the driver's priority."""
+    import os
+
+    import ray
+
+    from agentrl.trainer import ray_init_kwargs
+
+    ray.init(**ray_init_kwargs(num_cpus=1, worker_niceness=niceness))
+    try:
+        @ray.remote(num_cpus=0)
+        class Probe:
+            def nice(self):
+                return os.nice(0)
+
+        worker, driver = ray.get(Probe.remote().nice.remote()), os.nice(0)
+        if niceness == 0:
+            assert worker == driver
+        else:  # Ray's default: 15 over the driver's, at most 19
+            assert worker == min(driver + 15, 19), (worker, driver)
+    finally:
+        ray.shutdown()
 
 
 def test_max_task_events_must_be_positive():
