@@ -1,4 +1,4 @@
-"""Question: where does a whole Megatron learner step go, at the GPU loop's batch shape (wall time vs GPU time)?
+"""Question: where does a whole learner step go, at the GPU loop's batch shape (wall time vs GPU time)?
 
 `bench/gpu_e2e.py` measures the loop; this looks inside one of its learner steps. A
 Qwen2.5-1.5B-shaped model (random weights), the learner built from configs/gpu_1x.yaml as the split
@@ -14,6 +14,14 @@ prompt, ``--turns`` sampled turns, tool outputs between them). It times ``train_
   GPU idle time under each: where the GPU waits for the host.
 
     torchrun --nproc-per-node 1 tools/learner_step.py --out learner_step.json   # device machine
+
+The ``torch_full`` and ``torch_lora`` variants build the torch learner instead (a random
+Qwen2.5-1.5B-shaped checkpoint written to ``--workdir``; LoRA rank ``--rank`` on every projection,
+PEFT, as ``learner.lora`` trains it), to see where a LoRA step's time goes against full fine-tuning's
+(issue 31: the LoRA learner processed 13 % fewer tokens/s than full fine-tuning at 1.5B). Every
+variant also lists its longest GPU kernels (total time per step):
+
+    python tools/learner_step.py --variants torch_full,torch_lora --out learner_step_lora.json
 """
 
 from __future__ import annotations
@@ -27,12 +35,14 @@ from pathlib import Path
 
 import torch
 
+REPO = Path(__file__).resolve().parents[1]
 QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=32768,
                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True)
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
             "cudaMemcpy(", "cudaMemcpyAsync")
-VARIANTS = {"eager8k": (8192, "false"), "graphs4k": (4096, "true"), "graphs8k": (8192, "true")}  # tokens/micro-batch, graphs
+VARIANTS = {"eager8k": (8192, "false"), "graphs4k": (4096, "true"), "graphs8k": (8192, "true"),  # tokens/micro-batch, graphs
+            "torch_full": (8192, None), "torch_lora": (8192, None)}  # the torch learner (no graphs)
 RANGES = ("agentrl.microbatch", "agentrl.loss", "agentrl.forward_backward", "agentrl.optimizer", "agentrl.metrics")
 
 
@@ -64,6 +74,16 @@ def make_groups(rng: random.Random, args: argparse.Namespace, version: int) -> l
                                     turn_spans=spans, turn_rewards=rewards))
         groups.append(TrajectoryGroup(task_id=f"t{g}", trajectories=trajs, group_id=g))
     return groups
+
+
+def torch_model(workdir: Path, config) -> str:
+    """A random checkpoint of ``config`` in HF format with the tiny tokenizer (bench/gpu_e2e.py's)."""
+    import sys
+
+    sys.path.insert(0, str(REPO))
+    from bench.gpu_e2e import make_model
+
+    return make_model(workdir / "qwen2.5-1.5b-shape", config)
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:
@@ -108,12 +128,16 @@ def main() -> None:
     p.add_argument("--variants", default="eager8k,graphs4k", help=f"of {sorted(VARIANTS)}: micro-batch tokens and "
                    "learner CUDA graphs (the split placement runs eager8k by default; graphs4k fits beside the engine)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--rank", type=int, default=16, help="torch_lora: LoRA rank (alpha = 2 * rank)")
+    p.add_argument("--workdir", default="/tmp/learner_step", help="torch_*: where the random checkpoint is written")
+    p.add_argument("--top-kernels", type=int, default=15, help="GPU kernels listed per variant, longest first")
     args = p.parse_args()
 
     from transformers import Qwen2Config
 
     from agentrl.config import load_config
     from agentrl.learners.megatron.learner import MegatronLearner
+    from agentrl.learners.torch_learner import TorchLearner
 
     rng = random.Random(0)
     batches = [make_groups(rng, args, 0) for _ in range(3)]
@@ -121,10 +145,17 @@ def main() -> None:
     results = []
     for variant in args.variants.split(","):
         tokens_mb, graphs = VARIANTS[variant]
-        cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", [
-            "learner.lr=1e-6", f"packing.max_tokens_per_microbatch={tokens_mb}", f"learner.megatron.cuda_graphs={graphs}",
-            "rollout.max_total_tokens=4096", "engine.max_model_len=4096", *args.set])
-        learner = MegatronLearner(cfg, hf_config=Qwen2Config(**QWEN25_15B))
+        common = ["learner.lr=1e-6", f"packing.max_tokens_per_microbatch={tokens_mb}",
+                  "rollout.max_total_tokens=4096", "engine.max_model_len=4096"]
+        if variant.startswith("torch_"):
+            lora = [f"learner.lora.rank={args.rank}", f"learner.lora.alpha={2 * args.rank}"] if variant == "torch_lora" else []
+            cfg = load_config(REPO / "configs" / "gpu_1x.yaml", [
+                *common, "learner.backend=torch", "model.dtype=bfloat16", *lora, *args.set])
+            learner = TorchLearner(cfg, model_path=torch_model(Path(args.workdir), Qwen2Config(**QWEN25_15B)), device="cuda")
+        else:
+            cfg = load_config(REPO / "configs" / "gpu_1x.yaml", [
+                *common, f"learner.megatron.cuda_graphs={graphs}", *args.set])
+            learner = MegatronLearner(cfg, hf_config=Qwen2Config(**QWEN25_15B))
         res = measure(learner, batches, tokens, args)
         res["variant"] = variant
         results.append(res)
@@ -133,6 +164,10 @@ def main() -> None:
         gc.collect()
         torch.cuda.empty_cache()
         Path(args.out).write_text(json.dumps({"variants": results, "args": vars(args)}, indent=2))
+    for r in results:
+        print(f"\n{r['variant']}: longest GPU kernels, ms per step")
+        for name, ms in r["top_kernels_ms_per_step"]:
+            print(f"  {ms:9.2f}  {name}")
     print(f"\n{'variant':10s} {'step s':>7s} {'tok/s':>8s} {'GPU kernels s':>13s} {'GPU busy in step':>16s} {'host waits ms':>13s}")
     for r in results:
         print(f"{r['variant']:10s} {r['step_wall_s']:7.3f} {r['learner_tokens_per_s']:8,.0f} {r['gpu_kernel_s_per_step']:13.3f} "
@@ -188,7 +223,14 @@ def measure(learner, batches, tokens: int, args: argparse.Namespace) -> dict:
             "count": len(spans), "host_ms": sum(b - a for a, b in spans) / 1e3 / args.profile_steps,
             "gpu_idle_ms": sum(overlap(g, s) for g in gaps for s in spans) / 1e3 / args.profile_steps,
         }
+    per_kernel: dict[str, float] = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) \
+                and not e.name.startswith(("agentrl.", "ProfilerStep")):
+            per_kernel[e.name] = per_kernel.get(e.name, 0.0) + (e.time_range.end - e.time_range.start)
+    top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:args.top_kernels]
     result = {
+        "top_kernels_ms_per_step": [(name[:120], ms / 1e3 / args.profile_steps) for name, ms in top],
         "device": torch.cuda.get_device_name(), "tokens_per_step": tokens,
         "microbatches": m.get("train/num_microbatches"),
         "step_wall_s": wall, "step_wall_s_each": walls, "learner_tokens_per_s": tokens / wall,
