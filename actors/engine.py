@@ -159,7 +159,8 @@ class EngineActor(AsyncDiag):
 
     def diag_status(self) -> dict[str, Any]:
         n = self.engine.num_inflight
-        status = {"busy": n > 0, "requests_in_flight": n, "version": self.engine.version, "started": self._started}
+        status = {"busy": n > 0, "requests_in_flight": n, "version": self.engine.version, "started": self._started,
+                  "tokens_sampled": getattr(self.engine, "num_tokens_sampled", 0)}
         return status | ({"start_error": self._start_error} if self._start_error else {})
 
     def num_inflight(self) -> int:

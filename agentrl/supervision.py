@@ -174,13 +174,25 @@ class Supervision:
             self._fresh_looks += 1
         return self._fresh_looks
 
+    def _sampling_progress(self) -> Any:
+        """What changes while the engines sample (an evaluation's progress, which no queue counts):
+        each engine's count of tokens sampled so far; None if one does not answer. A slow machine
+        keeps it moving; a frozen engine (or a hung agent) does not."""
+        try:
+            statuses = ray.get([e.ping.remote() for e in self.engines], timeout=self.cfg.watchdog.ping_timeout_s)
+        except Exception:  # noqa: BLE001 (judged by the diagnosis)
+            return None
+        return tuple(s.get("tokens_sampled") for s in statuses)
+
     def _get(self, kind: str, refs: Any, what: str, *, recover: bool = True, focus: tuple[str, ...] = (),
-             progress: bool = False) -> Any:
-        """ray.get under the watchdog (before start(): a plain ray.get)."""
+             progress: bool | Any = False) -> Any:
+        """ray.get under the watchdog (before start(): a plain ray.get). ``progress``: True for the
+        replay queue's (a batch), or a function of its own (see Watchdog.wait)."""
         if self.watchdog is None:
             return ray.get(refs)
+        look = progress if callable(progress) else (self._progress if progress else None)
         return self.watchdog.get(kind, refs, what=what, recover=self._recover if recover else None, focus=focus,
-                                 progress=self._progress if progress else None)
+                                 progress=look)
 
     def _engine_names(self) -> tuple[str, ...]:
         return tuple(f"engine{i}" for i in range(len(self.engines)))

@@ -271,7 +271,7 @@ class Trainer(Supervision, WeightSync):
         ev = self.cfg.eval
         metrics = self._get("eval", self.rollouts[0].evaluate.remote(ev.num_episodes, ev.seed_offset, ev.temperature),
                             f"the {label} evaluation ({ev.num_episodes} episodes)", focus=self._engine_names(),
-                            progress=False)
+                            progress=self._sampling_progress)  # a slow machine's long evaluation is not a stall
         return {k.replace("eval/", f"eval_{label}/"): v for k, v in metrics.items()}
 
     # -- checkpoints ------------------------------------------------------------------------------

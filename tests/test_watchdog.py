@@ -149,6 +149,39 @@ def test_a_stall_recovers_or_stops_with_the_report(ray_local, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_long_evaluation_that_samples_is_not_a_stall(ray_local, tmp_path):
+    """The held-out evaluation's wait reads the engines' sampled-token counts as progress: an
+    evaluation far past its deadline on a slow machine raises no alarm while tokens keep coming;
+    the same wait with an engine that samples nothing is diagnosed (and with no recovery, stops).
+    Before, a slow evaluation counted a "recovery" per deadline and stopped a healthy run after
+    watchdog.max_recoveries of them (a starved soak's eval: 600 s deadline, 1 of 3 used)."""
+    ray = ray_local
+    from tests.watchdog_actors import Sampler
+
+    from agentrl.actors.watchdog import Watchdog
+    from agentrl.supervision import Supervision
+    from agentrl.watchdog import RunStalled
+
+    class Driver(Supervision):  # the Trainer's state that the eval wait reads
+        def __init__(self, engines, watchdog):
+            self.engines, self.watchdog = engines, watchdog
+            self.cfg = load_config(None, ["watchdog.ping_timeout_s=5"])
+
+        def _recover(self, reports):
+            return False  # nothing to restart: an alarm stops the wait
+
+    engine = Sampler.remote()
+    ray.get(engine.ping.remote())
+    cfg = WatchdogConfig(floor_s=1, first_s=1, ping_timeout_s=5, max_recoveries=0)
+    driver = Driver([engine], Watchdog(cfg, lambda: {"engine0": engine}, tmp_path, out=lambda msg: None))
+    assert driver._get("eval", engine.work.remote(5, 200), "the evaluation", progress=driver._sampling_progress) == 3
+    assert driver.watchdog.num_alarms == 0
+    with pytest.raises(RunStalled, match="the evaluation"):
+        driver._get("eval", engine.work.remote(60, 0), "the evaluation", progress=driver._sampling_progress)
+    assert driver.watchdog.num_alarms == 1
+
+
+@pytest.mark.slow
 def test_a_healthy_slow_run_raises_no_alarm(tiny_model_dir, tmp_path):
     """Slow tools (0.5-1.5 s a call), long trajectories (a slow learner step) and tight watchdog
     settings (floor 5 s, 4x the recent 0.9 quantile): deadlines follow the run, none fires."""

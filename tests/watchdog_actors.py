@@ -35,6 +35,25 @@ class Worker(SyncDiag):
         return {"busy": self.working}
 
 
+@ray.remote(concurrency_groups=DIAG_GROUPS)
+class Sampler(SyncDiag):
+    """An engine stand-in whose sampled-token count moves while it works (``rate`` tokens a
+    second; 0: busy but sampling nothing, as a hung request)."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+
+    def work(self, seconds: float, rate: float) -> int:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            time.sleep(0.05)
+            self.tokens += int(rate * 0.05)
+        return 3
+
+    def diag_status(self) -> dict:
+        return {"tokens_sampled": self.tokens}
+
+
 @ray.remote(num_cpus=0)
 class Holder:
     """Re-puts an object so that this actor owns the copy: killing it loses the object (a refit

@@ -129,6 +129,7 @@ class VLLMEngine:
         self.sleeping = False
         self.version = 0
         self.num_inflight = 0
+        self.num_tokens_sampled = 0  # ever: what the watchdog reads as progress of a long wait (an evaluation)
         self._llm = None
         self._ids = itertools.count()
         self.lora = lora if lora is not None and lora.enabled else None
@@ -268,6 +269,7 @@ class VLLMEngine:
                                          [self.version] * len(new), str(comp.finish_reason or "stop"))
                 if len(delta.logprobs) != len(new):
                     raise RuntimeError("vLLM returned a different number of logprobs than tokens")
+                self.num_tokens_sampled += len(new)
                 if new or comp.finish_reason is not None:
                     yield delta
         finally:
