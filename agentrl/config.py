@@ -161,12 +161,13 @@ class ClusterConfig(Section):
     ship_env_module: bool = True
     """Add the package (or file) of env.id's `module:` part to `runtime_env.py_modules` unless it
     is installed, so that nodes without the user's code import it."""
-    max_task_events: int = Field(10_000, ge=1)
+    max_task_events: int = Field(2_000, ge=1)
     """When agentrl starts Ray itself (`address` None): how many tasks' events (state changes,
     timings: what `ray list tasks` and Ray's dashboard show) Ray's GCS keeps, the oldest dropped
     first (Ray's `task_events_max_num_task_in_gcs`). Ray's default, 100,000, let gcs_server grow
-    to about 330 MiB in an hour's soak run (about 3 KB a task; bench/RESULTS.md, issue 33). A
-    cluster agentrl joins keeps its own setting."""
+    to about 330 MiB in an hour's soak run (about 3 KB a task); 10,000 still let it climb to ~80 MiB
+    in the first 10 minutes (bench/RESULTS.md, issue 33). 2,000 is a few minutes of a run's tasks.
+    A cluster agentrl joins keeps its own setting."""
     worker_niceness: int | None = Field(None, ge=0, le=19)
     """When agentrl starts Ray itself: the nice value of Ray's worker processes, i.e. every actor
     (engines, learner, rollouts), added to the driver's. None keeps Ray's default, 15: on a machine

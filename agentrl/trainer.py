@@ -45,7 +45,7 @@ def __getattr__(name: str):
 
 
 def ray_init_kwargs(address: str | None = None, num_cpus: int | None = None,
-                    runtime_env: dict[str, Any] | None = None, max_task_events: int = 10_000,
+                    runtime_env: dict[str, Any] | None = None, max_task_events: int = 2_000,
                     worker_niceness: int | None = None) -> dict[str, Any]:
     """``ray.init``'s arguments when the trainer starts or joins Ray (the ``cluster`` config's
     fields; tools/ray_restart_diag.py starts Ray with them too). A cluster that is joined keeps its
