@@ -28,6 +28,7 @@ __all__ = [
     "adapter_config",
     "adapter_tensors",
     "engine_max_rank",
+    "fuse_adapters",
     "merge_adapter",
     "merge_run",
     "merged_flat",
@@ -75,7 +76,60 @@ def wrap_model(model: torch.nn.Module, cfg: LoRAConfig, base_path: str | Path | 
     serves them)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, _peft_config(cfg, base_path), autocast_adapter_dtype=False)
+    peft_model = get_peft_model(model, _peft_config(cfg, base_path), autocast_adapter_dtype=False)
+    fuse_adapters(peft_model)
+    return peft_model
+
+
+def _fused_forward(self, x, *args, **kwargs):
+    """A plain LoRA linear layer's forward with the adapter added inside one GEMM's epilogue:
+    ``y = base(x); y += scale * (x @ A^T) @ B^T`` as an in-place ``addmm_``. PEFT's own forward
+    (``result + lora_B(lora_A(x)) * scaling``) writes the adapter's [tokens x out] product, scales
+    it and adds it: three more passes over every projection's output forward and one backward,
+    which at the 1.5B shape cost more than the frozen base saves (issue 31). Anything but the plain
+    case (adapters disabled or merged, several active adapters, dropout, DoRA-like variants,
+    mixed-batch ``adapter_names``, a dtype cast) goes to PEFT's forward."""
+    import torch
+
+    active = self.active_adapters
+    plain = (not self.disable_adapters and not self.merged and len(active) == 1 and not args and not kwargs
+             and active[0] in self.lora_A and active[0] not in self.lora_variant
+             and isinstance(self.lora_dropout[active[0]], torch.nn.Identity))
+    if plain:
+        name = active[0]
+        a, b = self.lora_A[name].weight, self.lora_B[name].weight
+        plain = a.dtype == x.dtype == b.dtype == self.base_layer.weight.dtype
+    if not plain:
+        return type(self).__mro__[1].forward(self, x, *args, **kwargs)
+    y = self.base_layer(x)
+    h = torch.nn.functional.linear(x, a).reshape(-1, a.shape[0])
+    y2 = y.view(-1, y.shape[-1])
+    # y is not saved by the base GEMM's backward (which needs only its weight and input), so an
+    # in-place update keeps autograd exact; addmm_'s backward is d(y) = g, d(h) = s g B, d(B) = s g^T h.
+    y2.addmm_(h, b.t(), alpha=self.scaling[name])
+    return y
+
+
+_FUSED: dict[type, type] = {}
+
+
+def fuse_adapters(peft_model: Any) -> int:
+    """Give every PEFT LoRA ``Linear`` of ``peft_model`` the fused forward above (a subclass of its
+    own class, so isinstance checks, state-dict names, saving and merging are PEFT's); returns how
+    many layers changed. The result equals PEFT's forward up to floating-point rounding order
+    (tests/test_lora.py)."""
+    from peft.tuners.lora.layer import Linear
+
+    n = 0
+    for module in peft_model.modules():
+        cls = type(module)
+        if cls is Linear:
+            if cls not in _FUSED:
+                _FUSED[cls] = type("FusedLoraLinear", (cls,), {"forward": _fused_forward,
+                                                                "__module__": __name__})
+            module.__class__ = _FUSED[cls]
+            n += 1
+    return n
 
 
 def adapter_tensors(peft_model: Any, *, device: str | torch.device | None = "cpu",

@@ -17,6 +17,7 @@ from agentrl.lora import (
     adapter_config,
     adapter_tensors,
     engine_max_rank,
+    fuse_adapters,
     merge_adapter,
     merged_flat,
     merged_weights,
@@ -90,6 +91,76 @@ def test_fresh_adapter_is_the_base_and_only_adapters_train(tiny_model_dir):
     assert all(k.startswith("base_model.model.model.layers.") and k.endswith((".lora_A.weight", ".lora_B.weight"))
                for k in tensors)
     assert len(tensors) == 2 * 7 * base.config.num_hidden_layers
+
+
+def _lora_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids).logits
+    (out.float() * torch.linspace(-1, 1, out.shape[-1])).sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rank=st.sampled_from([1, 4, 16]), alpha=st.floats(1.0, 64.0), seed=st.integers(0, 2**16),
+       length=st.integers(1, 33))
+def test_fused_adapter_forward_equals_peft_and_its_gradients(tiny_model_dir, rank, alpha, seed, length):
+    # The learner's fused LoRA layer (one in-place addmm) against PEFT's own forward, in outputs and
+    # in the adapters' gradients (float32), with the adapters disabled (the KL reference) and merged.
+    torch.manual_seed(seed)
+    model = wrap_model(load_hf_model(tiny_model_dir, "float32"), LoRAConfig(rank=rank, alpha=alpha), tiny_model_dir)
+    layers = [m for m in model.modules() if type(m).__name__ == "FusedLoraLinear"]
+    assert len(layers) == 7 * model.config.num_hidden_layers
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ".lora_B." in n:
+                p.normal_(0, 0.5)
+    ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(seed))
+    out, grads = _lora_grads(model, ids)
+    with torch.no_grad(), model.disable_adapter():
+        base = model(ids).logits
+    for m in layers:  # PEFT's own class
+        m.__class__ = type(m).__mro__[1]
+    peft_out, peft_grads = _lora_grads(model, ids)
+    with torch.no_grad(), model.disable_adapter():
+        assert torch.equal(model(ids).logits, base)  # adapters off: the base alone, both ways
+    torch.testing.assert_close(out, peft_out, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(out, base)  # the adapters do change the output
+    assert grads.keys() == peft_grads.keys() and grads
+    # per tensor, relative to the largest gradient (a one-token sequence's q/k gradients are 0 up to rounding)
+    scale = max(float(g.norm()) for g in peft_grads.values())
+    assert all(float((grads[n] - peft_grads[n]).norm()) < 1e-3 * scale for n in grads)
+    assert fuse_adapters(model) == len(layers)
+    model.merge_adapter()  # a merged layer takes PEFT's path
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, peft_out, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("rank,alpha", [(1, 1.0), (16, 32.0), (4, 64.0)])
+def test_fused_adapter_in_bfloat16_is_as_close_to_exact_as_peft(rank, alpha):
+    # One adapted projection in bfloat16 against float64: the fused layer's output and adapter
+    # gradients are no further from exact than PEFT's own bfloat16 forward.
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(rank)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(256, 512, bias=False)),
+                           LoraConfig(r=rank, lora_alpha=alpha, target_modules=["0"]))
+    with torch.no_grad():
+        model.base_model.model[0].lora_B.default.weight.normal_(0, 0.5)
+    x, w = torch.randn(2, 300, 256), torch.randn(2, 300, 512)
+
+    def run(dtype):
+        model.zero_grad(set_to_none=True)
+        model.to(dtype)
+        y = model(x.to(dtype))
+        (y.double() * w.double()).sum().backward()
+        return [y.detach().double()] + [p.grad.double() for p in model.parameters() if p.requires_grad]
+
+    exact = run(torch.float64)
+    peft = run(torch.bfloat16)  # get_peft_model alone: PEFT's forward
+    assert fuse_adapters(model) == 1
+    fused = run(torch.bfloat16)
+    for e, p, f in zip(exact, peft, fused):
+        assert float((f - e).norm()) <= 1.1 * float((p - e).norm()) + 1e-6 * float(e.norm())
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -18,10 +18,11 @@ prompt, ``--turns`` sampled turns, tool outputs between them). It times ``train_
 The ``torch_full`` and ``torch_lora`` variants build the torch learner instead (a random
 Qwen2.5-1.5B-shaped checkpoint written to ``--workdir``; LoRA rank ``--rank`` on every projection,
 PEFT, as ``learner.lora`` trains it), to see where a LoRA step's time goes against full fine-tuning's
-(issue 31: the LoRA learner processed 13 % fewer tokens/s than full fine-tuning at 1.5B). Every
-variant also lists its longest GPU kernels (total time per step):
+(issue 31: the LoRA learner processed 13 % fewer tokens/s than full fine-tuning at 1.5B);
+``torch_lora_peft`` is LoRA through PEFT's own layer forward instead of agentrl's fused one
+(``agentrl.lora.fuse_adapters``). Every variant also lists its longest GPU kernels (total time per step):
 
-    python tools/learner_step.py --variants torch_full,torch_lora --out learner_step_lora.json
+    python tools/learner_step.py --variants torch_full,torch_lora_peft,torch_lora --out learner_step_lora.json
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ QWEN25_15B = dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, n
 SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
             "cudaMemcpy(", "cudaMemcpyAsync")
 VARIANTS = {"eager8k": (8192, "false"), "graphs4k": (4096, "true"), "graphs8k": (8192, "true"),  # tokens/micro-batch, graphs
-            "torch_full": (8192, None), "torch_lora": (8192, None)}  # the torch learner (no graphs)
+            "torch_full": (8192, None), "torch_lora": (8192, None),  # the torch learner (no graphs)
+            "torch_lora_peft": (8192, None)}  # LoRA through PEFT's own layer forward (not the fused one)
 RANGES = ("agentrl.microbatch", "agentrl.loss", "agentrl.forward_backward", "agentrl.optimizer", "agentrl.metrics")
 
 
@@ -148,10 +150,14 @@ def main() -> None:
         common = ["learner.lr=1e-6", f"packing.max_tokens_per_microbatch={tokens_mb}",
                   "rollout.max_total_tokens=4096", "engine.max_model_len=4096"]
         if variant.startswith("torch_"):
-            lora = [f"learner.lora.rank={args.rank}", f"learner.lora.alpha={2 * args.rank}"] if variant == "torch_lora" else []
+            lora = [f"learner.lora.rank={args.rank}", f"learner.lora.alpha={2 * args.rank}"] if "lora" in variant else []
             cfg = load_config(REPO / "configs" / "gpu_1x.yaml", [
                 *common, "learner.backend=torch", "model.dtype=bfloat16", *lora, *args.set])
             learner = TorchLearner(cfg, model_path=torch_model(Path(args.workdir), Qwen2Config(**QWEN25_15B)), device="cuda")
+            if variant == "torch_lora_peft":  # undo agentrl.lora.fuse_adapters: PEFT's class again
+                for module in learner.model.modules():
+                    if type(module).__name__ == "FusedLoraLinear":
+                        module.__class__ = type(module).__mro__[1]
         else:
             cfg = load_config(REPO / "configs" / "gpu_1x.yaml", [
                 *common, f"learner.megatron.cuda_graphs={graphs}", *args.set])
@@ -173,9 +179,10 @@ def main() -> None:
         print(f"{r['variant']:10s} {r['step_wall_s']:7.3f} {r['learner_tokens_per_s']:8,.0f} {r['gpu_kernel_s_per_step']:13.3f} "
               f"{r['gpu_busy_in_step']:16.3f} {sum(p['host_waits_ms_per_step'].values()):13.1f}")
     if len(results) > 1:
-        a, b = results[0], results[1]
-        print(f"{b['variant']} / {a['variant']}: tokens/s {b['learner_tokens_per_s'] / a['learner_tokens_per_s']:.2f}x, "
-              f"GPU busy in the step {b['gpu_busy_in_step']:.3f} vs {a['gpu_busy_in_step']:.3f}")
+        a = results[0]
+        for b in results[1:]:
+            print(f"{b['variant']} / {a['variant']}: tokens/s {b['learner_tokens_per_s'] / a['learner_tokens_per_s']:.2f}x, "
+                  f"GPU busy in the step {b['gpu_busy_in_step']:.3f} vs {a['gpu_busy_in_step']:.3f}")
 
 
 def measure(learner, batches, tokens: int, args: argparse.Namespace) -> dict:
