@@ -101,13 +101,12 @@ def _fused_forward(self, x, *args, **kwargs):
         plain = a.dtype == x.dtype == b.dtype == self.base_layer.weight.dtype
     if not plain:
         return type(self).__mro__[1].forward(self, x, *args, **kwargs)
-    y = self.base_layer(x)
-    h = torch.nn.functional.linear(x, a).reshape(-1, a.shape[0])
-    y2 = y.view(-1, y.shape[-1])
+    x2 = x.reshape(-1, x.shape[-1])  # 2-D: the GEMMs' own outputs, not views of them (an in-place
+    y = self.base_layer(x2)          # update of a view would make autograd copy the gradient back)
     # y is not saved by the base GEMM's backward (which needs only its weight and input), so an
     # in-place update keeps autograd exact; addmm_'s backward is d(y) = g, d(h) = s g B, d(B) = s g^T h.
-    y2.addmm_(h, b.t(), alpha=self.scaling[name])
-    return y
+    y.addmm_(torch.nn.functional.linear(x2, a), b.t(), alpha=self.scaling[name])
+    return y.view(*x.shape[:-1], y.shape[-1])
 
 
 _FUSED: dict[type, type] = {}
