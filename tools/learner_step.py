@@ -177,7 +177,7 @@ def main() -> None:
     print(f"\n{'variant':10s} {'step s':>7s} {'tok/s':>8s} {'GPU kernels s':>13s} {'GPU busy in step':>16s} {'host waits ms':>13s}")
     for r in results:
         print(f"{r['variant']:10s} {r['step_wall_s']:7.3f} {r['learner_tokens_per_s']:8,.0f} {r['gpu_kernel_s_per_step']:13.3f} "
-              f"{r['gpu_busy_in_step']:16.3f} {sum(p['host_waits_ms_per_step'].values()):13.1f}")
+              f"{r['gpu_busy_in_step']:16.3f} {sum(r['profiled']['host_waits_ms_per_step'].values()):13.1f}")
     if len(results) > 1:
         a = results[0]
         for b in results[1:]:
