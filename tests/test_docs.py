@@ -69,6 +69,10 @@ def test_every_python_block_is_run_or_says_why_not():
 def test_python_blocks_run(page: Path, tmp_path, monkeypatch):
     """Unmarked blocks run in order in one namespace, from a scratch directory; envs they register
     are removed afterwards."""
+    import agentrl.envs  # noqa: F401  registers the built-in envs now: a block's first import would
+    # register them inside the block, the cleanup below would remove them, and a later import (cached) would not
+    # register them again, so later tests in the process would find no agentrl/ envs
+
     monkeypatch.chdir(tmp_path)
     registered = set(gymnasium.registry)
     namespace: dict = {"__name__": f"docs:{_rel(page)}"}
