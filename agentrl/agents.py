@@ -8,7 +8,9 @@ An agent is a function of an OpenAI client and a task that returns the reward::
 agent plus a separate ``score(task, result) -> float``). Each episode gets a client bound to its
 own key on the rollout worker's endpoint (:mod:`agentrl.endpoint`); the agent never sees the
 engine, Ray or token ids. Tasks come from a JSONL file or a function ``tasks(seed) -> task``.
-Functions are named in the config as ``module:function`` and imported like env modules.
+Functions are named in the config as ``module:function`` and imported like env modules. With
+``agent.workers`` > 0 they run in worker processes of their own (:mod:`agentrl.agent_pool`), the
+endpoint staying in the rollout worker's process.
 
 This module knows nothing of Ray: the rollout actor calls :func:`run_agent_group`.
 """

@@ -8,7 +8,12 @@
    agent of examples/calculator_agent.py, the same problems by seed), alternating; trajectories/s,
    sampled tokens/s and the ratio.
 
-    python bench/agent_endpoint.py [--model .cache/quickstart-sft] [--requests 200] [--groups 12]
+    python bench/agent_endpoint.py [--model .cache/quickstart-sft] [--requests 200] [--groups 12] [--agent-workers 0,2]
+
+   ``--agent-workers 0,N`` runs the endpoint path once per value of ``agent.workers``: 0, the
+   agent in this process (as a rollout worker runs it by default), and N, the agent in N worker
+   processes (the endpoint and the engine client staying here); each is compared with the env
+   path, all paths alternating in a rotating order.
 
 3. With ``--shape 0.5b`` (or ``1.5b``; ``cpu`` is a small stand-in that runs on a CPU) the model is
    a Qwen2.5-shaped checkpoint with random weights and the tiny tokenizer, made on the spot (on the
@@ -96,8 +101,9 @@ def turns_words(seed: int, turn: int) -> str:
 
 
 def turns_tasks(seed: int) -> dict:
-    """--work turns: the task of ``seed`` (the first user message)."""
-    return {"seed": seed, "question": f"Task {seed}: " + turns_words(seed, -1)}
+    """--work turns: the task of ``seed`` (the first user message), with the turns and tokens per
+    request (an agent worker process has its own copy of TURNS, which main does not set)."""
+    return {"seed": seed, "question": f"Task {seed}: " + turns_words(seed, -1), **TURNS}
 
 
 TURNS = {"n": 4, "max_tokens": 64}  # set by main from --turns / --max-tokens (the agent reads them)
@@ -107,11 +113,11 @@ async def turns_solve(client, task: dict) -> float:
     """--work turns, the endpoint path: a plain openai-SDK loop of TURNS["n"] requests, each
     followed by a user message, as TurnsEnv does on the env path."""
     messages = [{"role": "user", "content": task["question"]}]
-    for turn in range(TURNS["n"]):
+    for turn in range(task["n"]):
         response = await client.chat.completions.create(model="agentrl-policy", messages=messages,
-                                                        max_tokens=TURNS["max_tokens"])
+                                                        max_tokens=task["max_tokens"])
         messages.append(response.choices[0].message.model_dump(exclude_none=True))
-        if turn + 1 < TURNS["n"]:
+        if turn + 1 < task["n"]:
             messages.append({"role": "user", "content": turns_words(task["seed"], turn)})
     return float(len(messages[-1].get("content") or "") % 2)
 
@@ -296,10 +302,17 @@ async def round_trips(endpoint, engine, renderer, n: int, warmup: int = 10, toke
     return res
 
 
+def path_name(workers: int) -> str:
+    """The endpoint path's name in the throughput figures: ``endpoint`` (the agent in this
+    process), ``endpoint_w4`` (agent.workers=4: in 4 worker processes)."""
+    return "endpoint" if workers == 0 else f"endpoint_w{workers}"
+
+
 async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, *, work: str = "calculator",
-                     reps: int = 2, keep: list | None = None) -> dict:
-    """Both paths on the same tasks by seed, alternating, ``reps`` times each. ``keep``: a list
-    that gets (path, trajectory) pairs (for the logprob agreement)."""
+                     reps: int = 2, keep: list | None = None, agent_workers: tuple[int, ...] = (0,)) -> dict:
+    """The env path and the endpoint path (once per ``agent_workers`` value) on the same tasks by
+    seed, in an order that rotates each rep, ``reps`` times each. ``keep``: a list that gets
+    (path, trajectory) pairs (for the logprob agreement)."""
     import agentrl.envs  # noqa: F401
     import gymnasium as gym
     from agentrl.envs.base import set_tool_parser
@@ -308,7 +321,17 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
     from agentrl.rollout import run_group, widen_env_threads
 
     widen_env_threads(64)
-    agent = load_agent(cfg.agent)
+    agents = {path_name(w): load_agent(cfg.agent.model_copy(update={"workers": w})) for w in agent_workers}
+    for name, agent in agents.items():  # untimed: start the worker processes and import the agent there
+        if agent.cfg.workers:
+            t0 = time.perf_counter()
+            await asyncio.gather(*[run_agent_group(agent, endpoint, seed=5_000 + g, rollout=cfg.rollout, group_id=-g - 1)
+                                   for g in range(max(1, agent.cfg.workers // cfg.rollout.group_size + 1))])
+            import psutil
+
+            rss = [psutil.Process(pid).memory_info().rss / 2**20 for pid in agent.pool.pids()]
+            print(f"  {name}: {agent.cfg.workers} agent worker processes started and warmed in "
+                  f"{time.perf_counter() - t0:.1f} s (RSS {min(rss):.0f}-{max(rss):.0f} MiB each)", flush=True)
 
     def make_env():
         if work == "turns":
@@ -318,16 +341,17 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
         return env
 
     client = Direct(engine)
-    res = {"env": [0.0, 0, 0, 0], "endpoint": [0.0, 0, 0, 0]}  # seconds, trajectories, sampled tokens, requests
+    paths = ["env", *agents]
+    res = {p: [0.0, 0, 0, 0] for p in paths}  # seconds, trajectories, sampled tokens, requests
     for rep in range(reps):
-        for path in ("env", "endpoint") if rep % 2 == 0 else ("endpoint", "env"):
+        for path in paths[rep % len(paths):] + paths[:rep % len(paths)]:
             t0 = time.perf_counter()
 
             async def one(seed, path=path):
                 if path == "env":
                     return await run_group(make_env, renderer, client, seed=seed, cfg=cfg.rollout, group_id=seed,
                                            max_model_len=cfg.engine.max_model_len)
-                return await run_agent_group(agent, endpoint, seed=seed, rollout=cfg.rollout, group_id=seed)
+                return await run_agent_group(agents[path], endpoint, seed=seed, rollout=cfg.rollout, group_id=seed)
 
             done = await asyncio.gather(*[one(10_000 + rep * 1000 + g) for g in range(groups)])
             res[path][0] += time.perf_counter() - t0
@@ -338,6 +362,8 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
             assert not [t for t in trajs if t.status == "failed"], [t.info for t in trajs if t.status == "failed"][:3]
             if keep is not None and rep == 0:
                 keep += [(path, t) for t in trajs]
+    for agent in agents.values():
+        await agent.close()
     return res
 
 
@@ -352,7 +378,7 @@ def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     net = load_hf_model(model, dtype, device).eval()
     out = {}
-    for path in ("env", "endpoint"):
+    for path in dict.fromkeys(p for p, _ in kept):
         trajs = [t for p, t in kept if p == path][:per_path]
         diffs = []
         for k in range(0, len(trajs), 8):
@@ -469,6 +495,9 @@ async def main(args) -> dict:
         report["round_trip_instant_engine"] = as_json(rt)
         await alone.stop()
     kept: list = []
+    agent_workers = tuple(int(w) for w in args.agent_workers.split(","))
+    if any(w < 0 for w in agent_workers) or len(set(agent_workers)) != len(agent_workers):
+        raise SystemExit(f"--agent-workers: distinct counts >= 0 (e.g. 0,4), got {args.agent_workers!r}")
     # --sweep GROUPSxTOKENS,...: the throughput part at several loads (concurrent episodes) and
     # request lengths, on the same engine; default one point, --groups x --max-tokens.
     points = [tuple(int(x) for x in p.split("x")) for p in args.sweep.split(",")] if args.sweep else \
@@ -482,22 +511,26 @@ async def main(args) -> dict:
             for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
                 mod.TURNS.update(max_tokens=max_tokens)
         tp = await throughput(endpoint, engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
-                              keep=kept if not kept else None)
+                              keep=kept if not kept else None, agent_workers=agent_workers)
         print(f"\nthroughput at equal work ({work}: {groups} groups x {cfg.rollout.group_size} episodes"
               + (f" x {args.turns} requests x {max_tokens} tokens" if work == "turns" else "")
               + f", same seeds, temperature {cfg.rollout.temperature}, {args.reps} reps alternating):")
         for k, (secs, n, toks, reqs) in tp.items():
-            print(f"  {k:9s} {n} trajectories, {reqs} requests, {toks} sampled tokens in {secs:.1f} s: "
+            print(f"  {k:12s} {n} trajectories, {reqs} requests, {toks} sampled tokens in {secs:.1f} s: "
                   f"{n / secs:.2f} traj/s, {toks / secs:.0f} tok/s")
-        e, a = tp["env"], tp["endpoint"]
-        ratio = {"trajectories_per_s": (a[1] / a[0]) / (e[1] / e[0]),
-                 "sampled_tokens_per_s": (a[2] / a[0]) / (e[2] / e[0])}
-        print(f"  endpoint / env: {ratio['trajectories_per_s']:.3f} (trajectories/s), "
-              f"{ratio['sampled_tokens_per_s']:.3f} (sampled tokens/s)", flush=True)
+        e = tp["env"]
         point = {k: {"seconds": secs, "trajectories": n, "sampled_tokens": toks, "requests": reqs,
                      "trajectories_per_s": n / secs, "sampled_tokens_per_s": toks / secs}
                  for k, (secs, n, toks, reqs) in tp.items()}
-        point.update(endpoint_over_env=ratio, groups=groups, group_size=cfg.rollout.group_size, reps=args.reps,
+        for path, a in tp.items():
+            if path == "env":
+                continue
+            ratio = {"trajectories_per_s": (a[1] / a[0]) / (e[1] / e[0]),
+                     "sampled_tokens_per_s": (a[2] / a[0]) / (e[2] / e[0])}
+            print(f"  {path} / env: {ratio['trajectories_per_s']:.3f} (trajectories/s), "
+                  f"{ratio['sampled_tokens_per_s']:.3f} (sampled tokens/s)", flush=True)
+            point[f"{path}_over_env"] = ratio
+        point.update(groups=groups, group_size=cfg.rollout.group_size, reps=args.reps, agent_workers=list(agent_workers),
                      concurrent_episodes=groups * cfg.rollout.group_size, temperature=cfg.rollout.temperature,
                      turns=args.turns if work == "turns" else None, max_tokens=max_tokens)
         report["throughput"].append(point)
@@ -537,6 +570,9 @@ if __name__ == "__main__":
     p.add_argument("--sweep", default=None,
                    help="--work turns: throughput at several points GROUPSxTOKENS,... (e.g. 16x128,32x64)")
     p.add_argument("--temperature", type=float, default=1.0, help="--work turns: sampling temperature")
+    p.add_argument("--agent-workers", default="0",
+                   help="throughput: the endpoint path once per agent.workers value, e.g. 0,4 (0: the agent in "
+                        "this process; N: in N agent worker processes), alternating with the env path")
     p.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
                    help="compare the engine's logprobs with the torch learner's (temperature 1.0 only)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
