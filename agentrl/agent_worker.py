@@ -20,6 +20,7 @@ HTTP with the base URL and key of its episode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import pickle
 import struct
@@ -107,7 +108,8 @@ class _Worker:
             self.send(("done", job_id, reward))
         finally:
             self.jobs.pop(job_id, None)
-        await self.writer.drain()
+        with contextlib.suppress(ConnectionError):  # the parent is gone: stdin's EOF ends this process
+            await self.writer.drain()
 
     async def serve(self, reader: asyncio.StreamReader) -> None:
         while (message := await read_frame(reader)) is not None:

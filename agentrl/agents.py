@@ -138,11 +138,14 @@ class Agent:
         if self.pool is not None:
             await self.pool.close()
             self.pool = None
-        for client in self.http_clients.values():
-            if hasattr(client, "aclose"):
-                await client.aclose()
-            else:
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        for key, client in self.http_clients.items():
+            if key == "threads":
                 client.close()
+            elif key is loop:  # another loop's client is left to that loop (its connections are its own)
+                await client.aclose()
         self.http_clients.clear()
 
 
