@@ -149,8 +149,9 @@ class Direct:
     def __init__(self, engine):
         self.engine = engine
 
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id):
-        return await self.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, **kwargs):
+        return await self.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                          **kwargs)
 
 
 def pct(xs, q):
@@ -440,13 +441,15 @@ async def main(args) -> dict:
         model = str(bootstrap_tiny(Path("/tmp/agentrl-bench-tiny")))
     work = args.work or ("turns" if args.shape else "calculator")
     dtype = "bfloat16" if cuda else "float32"
+    # train.deterministic off (configs/quickstart.yaml sets it): its per-request sampling seeds would
+    # reach the env path's engine calls and not the endpoint's, which takes no seed
     overrides = [f"model.path={model}", "agent.solve=examples.calculator_agent:solve",
-                 "agent.tasks=examples.calculator_agent:tasks"]
+                 "agent.tasks=examples.calculator_agent:tasks", "train.deterministic=false"]
     if work == "turns":
         # the agent is loaded by name (agent.solve): the module's copy of TURNS is the one it reads
         for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
             mod.TURNS.update(n=args.turns, max_tokens=args.max_tokens)
-        overrides = [f"model.path={model}", "agent.solve=bench.agent_endpoint:turns_solve",
+        overrides = [f"model.path={model}", "train.deterministic=false", "agent.solve=bench.agent_endpoint:turns_solve",
                      "agent.tasks=bench.agent_endpoint:turns_tasks", f"rollout.max_turns={args.turns}",
                      f"rollout.max_new_tokens={args.max_tokens}", f"rollout.temperature={args.temperature}",
                      f"rollout.group_size={args.group_size}", "rollout.max_total_tokens=4096",
