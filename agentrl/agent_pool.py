@@ -146,8 +146,8 @@ class AgentWorkerPool:
         if not self._closed:
             self.num_died += 1
         err = AgentWorkerDied(f"the agent's worker process (pid {p.proc.pid}, agent.workers slot {p.slot}) "
-                              f"{exit_status(code)} while this episode's agent ran in it; later episodes get "
-                              "a new worker process")
+                              f"{exit_status(code)} while this episode's agent ran in it (its stderr, in this "
+                              "process's log, may say why); later episodes get a new worker process")
         for fut in p.pending.values():
             if not fut.done():
                 fut.set_exception(err)
