@@ -344,8 +344,10 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
     client = Direct(engine)
     paths = ["env", *agents]
     res = {p: [0.0, 0, 0, 0] for p in paths}  # seconds, trajectories, sampled tokens, requests
+    cpu = {p: {"bench": 0.0, "engine": 0.0, "workers": 0.0} for p in paths}  # CPU seconds by process
     for rep in range(reps):
         for path in paths[rep % len(paths):] + paths[:rep % len(paths)]:
+            c0 = cpu_by_process(agents)
             t0 = time.perf_counter()
 
             async def one(seed, path=path):
@@ -356,6 +358,8 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
 
             done = await asyncio.gather(*[one(10_000 + rep * 1000 + g) for g in range(groups)])
             res[path][0] += time.perf_counter() - t0
+            for k, v in cpu_by_process(agents).items():
+                cpu[path][k] += v - c0[k]
             trajs = [t for g in done for t in g.trajectories]
             res[path][1] += len(trajs)
             res[path][2] += sum(t.num_sampled_tokens for t in trajs)
@@ -365,7 +369,27 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
                 keep += [(path, t) for t in trajs]
     for agent in agents.values():
         await agent.close()
-    return res
+    return res, cpu
+
+
+def cpu_by_process(agents: dict) -> dict[str, float]:
+    """CPU seconds so far (user + system) of this process (the endpoint, the engine's client,
+    the env path's envs, in-process agents), of its other descendants (vLLM's engine core), and
+    of the agent worker processes."""
+    import psutil
+
+    workers = {pid for a in agents.values() if a.pool is not None for pid in a.pool.pids()}
+    out = {"bench": 0.0, "engine": 0.0, "workers": 0.0}
+    me = psutil.Process()
+    t = me.cpu_times()
+    out["bench"] = t.user + t.system
+    for child in me.children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        out["workers" if child.pid in workers else "engine"] += t.user + t.system
+    return out
 
 
 def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
@@ -513,17 +537,20 @@ async def main(args) -> dict:
             cfg.rollout.max_new_tokens = max_tokens  # the env path's cap and the endpoint's (same object)
             for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
                 mod.TURNS.update(max_tokens=max_tokens)
-        tp = await throughput(endpoint, engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
-                              keep=kept if not kept else None, agent_workers=agent_workers)
+        tp, cpu = await throughput(endpoint, engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
+                                   keep=kept if not kept else None, agent_workers=agent_workers)
         print(f"\nthroughput at equal work ({work}: {groups} groups x {cfg.rollout.group_size} episodes"
               + (f" x {args.turns} requests x {max_tokens} tokens" if work == "turns" else "")
               + f", same seeds, temperature {cfg.rollout.temperature}, {args.reps} reps alternating):")
         for k, (secs, n, toks, reqs) in tp.items():
+            c = cpu[k]
             print(f"  {k:12s} {n} trajectories, {reqs} requests, {toks} sampled tokens in {secs:.1f} s: "
-                  f"{n / secs:.2f} traj/s, {toks / secs:.0f} tok/s")
+                  f"{n / secs:.2f} traj/s, {toks / secs:.0f} tok/s; CPU ms per request: bench process "
+                  f"{1e3 * c['bench'] / reqs:.2f}, engine {1e3 * c['engine'] / reqs:.2f}, agent workers "
+                  f"{1e3 * c['workers'] / reqs:.2f}; cores busy {sum(c.values()) / secs:.2f}")
         e = tp["env"]
         point = {k: {"seconds": secs, "trajectories": n, "sampled_tokens": toks, "requests": reqs,
-                     "trajectories_per_s": n / secs, "sampled_tokens_per_s": toks / secs}
+                     "trajectories_per_s": n / secs, "sampled_tokens_per_s": toks / secs, "cpu_s": cpu[k]}
                  for k, (secs, n, toks, reqs) in tp.items()}
         for path, a in tp.items():
             if path == "env":
