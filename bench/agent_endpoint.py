@@ -13,7 +13,10 @@
    ``--agent-workers 0,N`` runs the endpoint path once per value of ``agent.workers``: 0, the
    agent in this process (as a rollout worker runs it by default), and N, the agent in N worker
    processes (the endpoint and the engine client staying here); each is compared with the env
-   path, all paths alternating in a rotating order.
+   path, all paths alternating in a rotating order. ``--replay-ms X`` (throughput only) answers
+   every request with the engine's greedy answer to that prompt, computed in an untimed pass and
+   replayed after X ms of sleep: an engine that costs this machine no CPU, as a GPU's, so a
+   2-core machine shows what limits the rollout side's process.
 
 3. With ``--shape 0.5b`` (or ``1.5b``; ``cpu`` is a small stand-in that runs on a CPU) the model is
    a Qwen2.5-shaped checkpoint with random weights and the tiny tokenizer, made on the spot (on the
@@ -342,6 +345,12 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
         return env
 
     client = Direct(engine)
+    if isinstance(engine, Replay):  # untimed: the real engine's answers to every prompt of the timed passes
+        for rep in range(reps):
+            await asyncio.gather(*[run_group(make_env, renderer, client, seed=10_000 + rep * 1000 + g, cfg=cfg.rollout,
+                                             group_id=10_000 + rep * 1000 + g, max_model_len=cfg.engine.max_model_len)
+                                   for g in range(groups)])
+        engine.misses = 0
     paths = ["env", *agents]
     res = {p: [0.0, 0, 0, 0] for p in paths}  # seconds, trajectories, sampled tokens, requests
     cpu = {p: {"bench": 0.0, "engine": 0.0, "workers": 0.0} for p in paths}  # CPU seconds by process
@@ -418,6 +427,29 @@ def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+class Replay:
+    """The real engine's greedy answers, replayed by prompt after ``latency_s`` of sleep (no CPU):
+    an engine as fast as a GPU's that takes none of this machine's cores, so the throughput part
+    measures what limits the rollout side alone. A prompt not seen before goes to the engine
+    (``misses``); at equal work the timed passes have none."""
+
+    def __init__(self, engine, latency_s: float) -> None:
+        self.engine = engine
+        self.latency_s = latency_s
+        self.cache: dict = {}
+        self.misses = 0
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id=None, **_):
+        key = (tuple(prompt_ids), max_tokens)
+        out = self.cache.get(key)
+        if out is None:
+            self.misses += 1
+            out = self.cache[key] = await self.engine.generate(list(prompt_ids), max_tokens=max_tokens,
+                                                               temperature=0.0, top_p=1.0)
+        await asyncio.sleep(self.latency_s)
+        return out
 
 
 class Instant:
@@ -532,16 +564,25 @@ async def main(args) -> dict:
     if work != "turns":
         points = [(args.groups, cfg.rollout.max_new_tokens)]
     report["throughput"] = []
+    tp_endpoint, tp_engine = endpoint, engine
+    if args.replay_ms is not None:
+        tp_engine = Replay(engine, args.replay_ms / 1e3)
+        tp_endpoint = AgentEndpoint(renderer, parser, Direct(tp_engine), rollout=cfg.rollout, agent=cfg.agent,
+                                    max_model_len=cfg.engine.max_model_len)
+        await tp_endpoint.start()
+        report["replay_ms"] = args.replay_ms
     for groups, max_tokens in points:
         if work == "turns":
             cfg.rollout.max_new_tokens = max_tokens  # the env path's cap and the endpoint's (same object)
             for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
                 mod.TURNS.update(max_tokens=max_tokens)
-        tp, cpu = await throughput(endpoint, engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
+        tp, cpu = await throughput(tp_endpoint, tp_engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
                                    keep=kept if not kept else None, agent_workers=agent_workers)
         print(f"\nthroughput at equal work ({work}: {groups} groups x {cfg.rollout.group_size} episodes"
               + (f" x {args.turns} requests x {max_tokens} tokens" if work == "turns" else "")
-              + f", same seeds, temperature {cfg.rollout.temperature}, {args.reps} reps alternating):")
+              + (f", same seeds, the engine's greedy answers replayed after {args.replay_ms:g} ms (misses in the "
+                 f"timed passes: {tp_engine.misses})" if args.replay_ms is not None else
+                 f", same seeds, temperature {cfg.rollout.temperature}") + f", {args.reps} reps alternating):")
         for k, (secs, n, toks, reqs) in tp.items():
             c = cpu[k]
             print(f"  {k:12s} {n} trajectories, {reqs} requests, {toks} sampled tokens in {secs:.1f} s: "
@@ -560,13 +601,17 @@ async def main(args) -> dict:
             print(f"  {path} / env: {ratio['trajectories_per_s']:.3f} (trajectories/s), "
                   f"{ratio['sampled_tokens_per_s']:.3f} (sampled tokens/s)", flush=True)
             point[f"{path}_over_env"] = ratio
+        if args.replay_ms is not None:
+            point["replay_misses"] = tp_engine.misses
         point.update(groups=groups, group_size=cfg.rollout.group_size, reps=args.reps, agent_workers=list(agent_workers),
                      concurrent_episodes=groups * cfg.rollout.group_size, temperature=cfg.rollout.temperature,
                      turns=args.turns if work == "turns" else None, max_tokens=max_tokens)
         report["throughput"].append(point)
+    if tp_endpoint is not endpoint:
+        await tp_endpoint.stop()
     await endpoint.stop()
     engine.shutdown()
-    if args.agreement and cfg.rollout.temperature == 1.0:
+    if args.agreement and cfg.rollout.temperature == 1.0 and args.replay_ms is None:
         ag = agreement(model, dtype, kept)
         for path, r in ag.items():
             print(f"  engine vs torch learner logprobs, {path} path: {r['tokens']} tokens of {r['trajectories']} "
@@ -600,6 +645,9 @@ if __name__ == "__main__":
     p.add_argument("--sweep", default=None,
                    help="--work turns: throughput at several points GROUPSxTOKENS,... (e.g. 16x128,32x64)")
     p.add_argument("--temperature", type=float, default=1.0, help="--work turns: sampling temperature")
+    p.add_argument("--replay-ms", type=float, default=None,
+                   help="throughput: replay the engine's greedy answers after this many ms (no CPU) instead of "
+                        "sampling: what limits the rollout side when the engine is fast and elsewhere (a GPU's)")
     p.add_argument("--agent-workers", default="0",
                    help="throughput: the endpoint path once per agent.workers value, e.g. 0,4 (0: the agent in "
                         "this process; N: in N agent worker processes), alternating with the env path")
