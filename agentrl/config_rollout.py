@@ -184,7 +184,8 @@ class AgentConfig(Section):
     episode, each episode to the least-loaded one), so the openai SDK's CPU (~3-4 ms per request)
     spreads over cores while the rollout worker only serves HTTP and talks to the engines; the
     endpoint and its exact-token record stay in the rollout worker. Each process costs its
-    memory (Python, openai, your module: ~100 MB) and the task and reward are pickled. A worker
+    memory (Python, openai and your module: ~70 MB, ~280 MB if the module imports torch) and a
+    core when busy; the task and reward are pickled. A worker
     that dies fails its episodes (counted in rollout/agent_worker_deaths) and is started again.
     Module-level state the agent changes is per process (guides/agent-endpoint.md)."""
     model_name: str = "agentrl-policy"
