@@ -10,7 +10,9 @@ Parent to worker: ``("init", {"sys_path": [...]})`` once, then ``("job", id, spe
 ``{"solve", "score", "task", "base_url", "api_key", "request_timeout_s"}`` and ``("cancel", id)``.
 Worker to parent: ``("done", id, reward)`` or ``("error", id, type_name, text)``. Jobs run
 concurrently: async agents on this process's event loop, sync agents in threads, as in the
-rollout worker's own process (:func:`agentrl.agents.solve_and_score`). The worker exits when stdin
+rollout worker's own process (:func:`agentrl.agents.solve_and_score`), on uvloop where it is
+installed (``AGENTRL_AGENT_WORKER_LOOP=asyncio`` in the environment: asyncio's own loop, for
+comparison: ``bench/agent_endpoint.py --agent-workers 2,2:asyncio``). The worker exits when stdin
 reaches EOF (the parent closed it, or died) and, on Linux, when its parent dies.
 
 This module knows nothing of Ray, the endpoint or the engine: an agent reaches the endpoint over
@@ -153,7 +155,13 @@ def main() -> None:
     os.close(null)
     os.dup2(2, 1)
     sys.stdout = sys.stderr
-    loop = asyncio.new_event_loop()
+    loop = None
+    if os.environ.get("AGENTRL_AGENT_WORKER_LOOP", "uvloop") == "uvloop":
+        with contextlib.suppress(ImportError):  # uvloop (uvicorn's, where installed): less CPU per request
+            import uvloop
+
+            loop = uvloop.new_event_loop()
+    loop = loop or asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     status = 0
     try:

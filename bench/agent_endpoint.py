@@ -306,14 +306,16 @@ async def round_trips(endpoint, engine, renderer, n: int, warmup: int = 10, toke
     return res
 
 
-def path_name(workers: int) -> str:
-    """The endpoint path's name in the throughput figures: ``endpoint`` (the agent in this
-    process), ``endpoint_w4`` (agent.workers=4: in 4 worker processes)."""
-    return "endpoint" if workers == 0 else f"endpoint_w{workers}"
+def path_name(spec: str) -> str:
+    """The endpoint path's name in the throughput figures: ``endpoint`` (``0``: the agent in this
+    process), ``endpoint_w4`` (``4``: agent.workers=4, in 4 worker processes), ``endpoint_w4_asyncio``
+    (``4:asyncio``: the same with asyncio's own event loop in the workers instead of uvloop)."""
+    workers, _, loop = spec.partition(":")
+    return "endpoint" if int(workers) == 0 else f"endpoint_w{workers}" + (f"_{loop}" if loop else "")
 
 
 async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, *, work: str = "calculator",
-                     reps: int = 2, keep: list | None = None, agent_workers: tuple[int, ...] = (0,)) -> dict:
+                     reps: int = 2, keep: list | None = None, agent_workers: tuple[str, ...] = ("0",)) -> dict:
     """The env path and the endpoint path (once per ``agent_workers`` value) on the same tasks by
     seed, in an order that rotates each rep, ``reps`` times each. ``keep``: a list that gets
     (path, trajectory) pairs (for the logprob agreement)."""
@@ -325,10 +327,14 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
     from agentrl.rollout import run_group, widen_env_threads
 
     widen_env_threads(64)
-    agents = {path_name(w): load_agent(cfg.agent.model_copy(update={"workers": w})) for w in agent_workers}
-    for name, agent in agents.items():  # untimed: start the worker processes and import the agent there
+    import os
+
+    agents = {path_name(w): load_agent(cfg.agent.model_copy(update={"workers": int(w.partition(":")[0])}))
+              for w in agent_workers}
+    for spec, (name, agent) in zip(agent_workers, agents.items()):  # untimed: start the workers, import the agent
         if agent.cfg.workers:
             t0 = time.perf_counter()
+            os.environ["AGENTRL_AGENT_WORKER_LOOP"] = spec.partition(":")[2] or "uvloop"  # read at the workers' start
             await asyncio.gather(*[run_agent_group(agent, endpoint, seed=5_000 + g, rollout=cfg.rollout, group_id=-g - 1)
                                    for g in range(max(1, agent.cfg.workers // cfg.rollout.group_size + 1))])
             import psutil
@@ -554,9 +560,11 @@ async def main(args) -> dict:
         report["round_trip_instant_engine"] = as_json(rt)
         await alone.stop()
     kept: list = []
-    agent_workers = tuple(int(w) for w in args.agent_workers.split(","))
-    if any(w < 0 for w in agent_workers) or len(set(agent_workers)) != len(agent_workers):
-        raise SystemExit(f"--agent-workers: distinct counts >= 0 (e.g. 0,4), got {args.agent_workers!r}")
+    agent_workers = tuple(args.agent_workers.split(","))
+    if not all(w.partition(":")[0].isdigit() and w.partition(":")[2] in ("", "uvloop", "asyncio")
+               for w in agent_workers) or len(set(agent_workers)) != len(agent_workers):
+        raise SystemExit(f"--agent-workers: distinct counts >= 0, each optionally :asyncio (e.g. 0,4,4:asyncio), "
+                         f"got {args.agent_workers!r}")
     # --sweep GROUPSxTOKENS,...: the throughput part at several loads (concurrent episodes) and
     # request lengths, on the same engine; default one point, --groups x --max-tokens.
     points = [tuple(int(x) for x in p.split("x")) for p in args.sweep.split(",")] if args.sweep else \
@@ -650,7 +658,8 @@ if __name__ == "__main__":
                         "sampling: what limits the rollout side when the engine is fast and elsewhere (a GPU's)")
     p.add_argument("--agent-workers", default="0",
                    help="throughput: the endpoint path once per agent.workers value, e.g. 0,4 (0: the agent in "
-                        "this process; N: in N agent worker processes), alternating with the env path")
+                        "this process; N: in N agent worker processes; N:asyncio: the same on asyncio's loop "
+                        "instead of uvloop), alternating with the env path")
     p.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
                    help="compare the engine's logprobs with the torch learner's (temperature 1.0 only)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)
