@@ -136,12 +136,14 @@ class AgentWorkerPool:
                 else:
                     fut.set_exception(AgentRaised(message[2], message[3]))
         except Exception:  # a corrupt stream: the worker is of no more use
-            p.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.kill()
         p.alive = False
         try:
             code = await asyncio.wait_for(p.proc.wait(), 10.0)
         except asyncio.TimeoutError:  # it closed the protocol's pipe but lives on
-            p.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                p.proc.kill()
             code = await p.proc.wait()
         if not self._closed:
             self.num_died += 1
