@@ -225,6 +225,14 @@ class RolloutActor(AsyncDiag):
     def stop(self) -> None:
         self._stop = True
 
+    async def close(self) -> None:
+        """Stop the agent's worker processes (agent.workers) and the endpoint. A rollout actor
+        killed without it leaves no worker either: they exit when their parent dies."""
+        if self.agent is not None:
+            await self.agent.close()
+        if self._endpoint is not None:
+            await self._endpoint.stop()
+
     async def evaluate(self, num_episodes: int, seed_offset: int, temperature: float) -> dict[str, float]:
         """Held-out evaluation: one episode per seed, at ``temperature`` (0 = greedy)."""
         from agentrl.rollout import summarize, widen_env_threads
@@ -254,6 +262,7 @@ class RolloutActor(AsyncDiag):
     def stats(self) -> dict[str, float]:
         return {
             **(self._endpoint.stats() if self._endpoint is not None else {}),
+            **(self.agent.stats() if self.agent is not None else {}),
             f"rollout/actor{self.index}_groups": float(self.num_groups),
             "rollout/sticky_hits": float(self.router.num_sticky_hits),
             "rollout/failed_groups": float(self.num_failed_groups),

@@ -8,7 +8,9 @@ An agent is a function of an OpenAI client and a task that returns the reward::
 agent plus a separate ``score(task, result) -> float``). Each episode gets a client bound to its
 own key on the rollout worker's endpoint (:mod:`agentrl.endpoint`); the agent never sees the
 engine, Ray or token ids. Tasks come from a JSONL file or a function ``tasks(seed) -> task``.
-Functions are named in the config as ``module:function`` and imported like env modules.
+Functions are named in the config as ``module:function`` and imported like env modules. With
+``agent.workers`` > 0 they run in worker processes of their own (:mod:`agentrl.agent_pool`), the
+endpoint staying in the rollout worker's process.
 
 This module knows nothing of Ray: the rollout actor calls :func:`run_agent_group`.
 """
@@ -29,7 +31,8 @@ from agentrl.config import AgentConfig, ConfigError, RolloutConfig
 from agentrl.rollout import OVER_BUDGET
 from agentrl.trajectory import Trajectory, TrajectoryGroup
 
-__all__ = ["Agent", "TaskSource", "load_agent", "load_function", "run_agent_episode", "run_agent_group"]
+__all__ = ["Agent", "TaskSource", "load_agent", "load_function", "run_agent_episode", "run_agent_group",
+           "shared_http_client", "solve_and_score"]
 
 
 def load_function(spec: str, *, key: str) -> Callable[..., Any]:
@@ -106,6 +109,7 @@ class Agent:
     # building an openai client with its own connection pool costs ~36 ms of CPU (an SSL context),
     # with a shared one ~0.15 ms; kept-alive connections are reused across episodes too.
     http_clients: dict[Any, Any] = field(default_factory=dict, repr=False)
+    pool: Any = field(default=None, repr=False)  # agent.workers > 0: the AgentWorkerPool
 
     @property
     def is_async(self) -> bool:
@@ -113,19 +117,53 @@ class Agent:
 
     def http_client(self) -> Any:
         """The HTTP client this context's episodes share (the running loop's, else the threads')."""
+        return shared_http_client(self.http_clients)
+
+    def worker_pool(self) -> Any:
+        """The agent worker processes (``agent.workers`` > 0), made on first use; None for 0."""
+        if self.cfg.workers == 0:
+            return None
+        if self.pool is None:
+            from agentrl.agent_pool import AgentWorkerPool
+
+            self.pool = AgentWorkerPool(self.cfg.workers)
+        return self.pool
+
+    def stats(self) -> dict[str, float]:
+        """``rollout/agent_worker_*`` counters (agent.workers > 0): processes started and died."""
+        return self.pool.stats() if self.pool is not None else {}
+
+    async def close(self) -> None:
+        """Stop the worker processes (none is left) and close the shared HTTP clients. Safe to call twice."""
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
         import asyncio
 
-        import openai
+        loop = asyncio.get_running_loop()
+        for key, client in self.http_clients.items():
+            if key == "threads":
+                client.close()
+            elif key is loop:  # another loop's client is left to that loop (its connections are its own)
+                await client.aclose()
+        self.http_clients.clear()
 
-        try:
-            key: Any = asyncio.get_running_loop()
-        except RuntimeError:
-            key = "threads"
-        client = self.http_clients.get(key)
-        if client is None or client.is_closed:
-            client = openai.DefaultHttpxClient() if key == "threads" else openai.DefaultAsyncHttpxClient()
-            self.http_clients[key] = client
-        return client
+
+def shared_http_client(cache: dict[Any, Any]) -> Any:
+    """The HTTP client of this context in ``cache``: one per running event loop, one for threads."""
+    import asyncio
+
+    import openai
+
+    try:
+        key: Any = asyncio.get_running_loop()
+    except RuntimeError:
+        key = "threads"
+    client = cache.get(key)
+    if client is None or client.is_closed:
+        client = openai.DefaultHttpxClient() if key == "threads" else openai.DefaultAsyncHttpxClient()
+        cache[key] = client
+    return client
 
 
 def load_agent(cfg: AgentConfig) -> Agent:
@@ -152,24 +190,47 @@ def _reward(value: Any) -> float:
     return float(value)
 
 
-async def _call_agent(agent: Agent, ep: Any, task: Any) -> float:
+async def solve_and_score(solve: Callable[..., Any], score: Callable[..., Any] | None, task: Any, *,
+                          base_url: str, api_key: str, request_timeout_s: float,
+                          http_client: Callable[[], Any]) -> float:
+    """Run ``solve`` with an openai client on ``base_url``/``api_key``, then ``score``; the reward.
+
+    Where it runs (the rollout worker's process, or an agent worker's) is the caller's: the
+    clients share ``http_client()``'s connections; a plain ``def`` runs in a thread.
+    """
     import openai
 
-    kwargs = dict(base_url=ep.base_url, api_key=ep.api_key, max_retries=0, timeout=agent.cfg.request_timeout_s)
+    kwargs = dict(base_url=base_url, api_key=api_key, max_retries=0, timeout=request_timeout_s)
     # The episode's client is not closed: that would close the shared HTTP client under it.
-    if agent.is_async:
-        client = openai.AsyncOpenAI(**kwargs, http_client=agent.http_client())
-        result = await agent.solve(client, task)
+    if inspect.iscoroutinefunction(solve):
+        result = await solve(openai.AsyncOpenAI(**kwargs, http_client=http_client()), task)
     else:
         def run() -> Any:
-            return agent.solve(openai.OpenAI(**kwargs, http_client=agent.http_client()), task)
+            return solve(openai.OpenAI(**kwargs, http_client=http_client()), task)
 
         result = await anyio.to_thread.run_sync(run, abandon_on_cancel=True)
-    if agent.score is not None:
-        score = agent.score
+    if score is not None:
         result = await score(task, result) if inspect.iscoroutinefunction(score) else \
             await anyio.to_thread.run_sync(lambda: score(task, result), abandon_on_cancel=True)
     return _reward(result)
+
+
+async def _call_agent(agent: Agent, ep: Any, task: Any) -> float:
+    pool = agent.worker_pool()
+    if pool is not None:  # agent.workers > 0: in a worker process; a cancel here cancels it there
+        return await pool.run(agent.cfg.solve, agent.cfg.score, task, base_url=ep.base_url, api_key=ep.api_key,
+                              request_timeout_s=agent.cfg.request_timeout_s)
+    return await solve_and_score(agent.solve, agent.score, task, base_url=ep.base_url, api_key=ep.api_key,
+                                 request_timeout_s=agent.cfg.request_timeout_s, http_client=agent.http_client)
+
+
+def _describe(exc: Exception) -> str:
+    from agentrl.agent_pool import AgentRaised, AgentWorkerDied
+
+    if isinstance(exc, AgentWorkerDied):
+        return str(exc)[:400]
+    name, text = (exc.type_name, exc.text) if isinstance(exc, AgentRaised) else (type(exc).__name__, str(exc))
+    return f"the agent raised {name}: {text[:300]}"
 
 
 async def run_agent_episode(agent: Agent, endpoint: Any, task: Any, *, episode_id: str, seed: int,
@@ -196,7 +257,7 @@ async def run_agent_episode(agent: Agent, endpoint: Any, task: Any, *, episode_i
     except TimeoutError:
         status, info["error"] = "failed", f"the agent did not return within {agent.cfg.timeout_s:g} s (agent.timeout_s)"
     except Exception as exc:  # the user's agent may raise anything: count the episode, drop it
-        status, info["error"] = "failed", f"the agent raised {type(exc).__name__}: {str(exc)[:300]}"
+        status, info["error"] = "failed", _describe(exc)
     finally:
         endpoint.close_episode(ep)
     if ep.error is not None:  # the engine failed under it; whatever the agent made of that

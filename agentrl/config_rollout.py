@@ -177,6 +177,17 @@ class AgentConfig(Section):
     trained on, and its key is refused from then on."""
     request_timeout_s: float = Field(60.0, gt=0)
     """Timeout of one HTTP request of the client `solve` is given."""
+    workers: int = Field(0, ge=0)
+    """Agent worker processes per rollout worker. 0: the agent runs in the rollout worker's own
+    process and event loop, beside the endpoint's HTTP server and the engine calls, all on one
+    GIL. N > 0: the agent functions run in N processes of their own (started on the first
+    episode, each episode to the least-loaded one), so the openai SDK's CPU (~3-4 ms per request)
+    spreads over cores while the rollout worker only serves HTTP and talks to the engines; the
+    endpoint and its exact-token record stay in the rollout worker. Each process costs its
+    memory (Python, openai and your module: ~70 MB, ~280 MB if the module imports torch) and a
+    core when busy; the task and reward are pickled. A worker
+    that dies fails its episodes (counted in rollout/agent_worker_deaths) and is started again.
+    Module-level state the agent changes is per process (guides/agent-endpoint.md)."""
     model_name: str = "agentrl-policy"
     """The model name the endpoint serves; requests for another model get a 404."""
     temperature: Literal["config", "request"] = "config"

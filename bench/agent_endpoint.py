@@ -8,7 +8,15 @@
    agent of examples/calculator_agent.py, the same problems by seed), alternating; trajectories/s,
    sampled tokens/s and the ratio.
 
-    python bench/agent_endpoint.py [--model .cache/quickstart-sft] [--requests 200] [--groups 12]
+    python bench/agent_endpoint.py [--model .cache/quickstart-sft] [--requests 200] [--groups 12] [--agent-workers 0,2]
+
+   ``--agent-workers 0,N`` runs the endpoint path once per value of ``agent.workers``: 0, the
+   agent in this process (as a rollout worker runs it by default), and N, the agent in N worker
+   processes (the endpoint and the engine client staying here); each is compared with the env
+   path, all paths alternating in a rotating order. ``--replay-ms X`` (throughput only) answers
+   every request with the engine's greedy answer to that prompt, computed in an untimed pass and
+   replayed after X ms of sleep: an engine that costs this machine no CPU, as a GPU's, so a
+   2-core machine shows what limits the rollout side's process.
 
 3. With ``--shape 0.5b`` (or ``1.5b``; ``cpu`` is a small stand-in that runs on a CPU) the model is
    a Qwen2.5-shaped checkpoint with random weights and the tiny tokenizer, made on the spot (on the
@@ -96,8 +104,9 @@ def turns_words(seed: int, turn: int) -> str:
 
 
 def turns_tasks(seed: int) -> dict:
-    """--work turns: the task of ``seed`` (the first user message)."""
-    return {"seed": seed, "question": f"Task {seed}: " + turns_words(seed, -1)}
+    """--work turns: the task of ``seed`` (the first user message), with the turns and tokens per
+    request (an agent worker process has its own copy of TURNS, which main does not set)."""
+    return {"seed": seed, "question": f"Task {seed}: " + turns_words(seed, -1), **TURNS}
 
 
 TURNS = {"n": 4, "max_tokens": 64}  # set by main from --turns / --max-tokens (the agent reads them)
@@ -107,11 +116,11 @@ async def turns_solve(client, task: dict) -> float:
     """--work turns, the endpoint path: a plain openai-SDK loop of TURNS["n"] requests, each
     followed by a user message, as TurnsEnv does on the env path."""
     messages = [{"role": "user", "content": task["question"]}]
-    for turn in range(TURNS["n"]):
+    for turn in range(task["n"]):
         response = await client.chat.completions.create(model="agentrl-policy", messages=messages,
-                                                        max_tokens=TURNS["max_tokens"])
+                                                        max_tokens=task["max_tokens"])
         messages.append(response.choices[0].message.model_dump(exclude_none=True))
-        if turn + 1 < TURNS["n"]:
+        if turn + 1 < task["n"]:
             messages.append({"role": "user", "content": turns_words(task["seed"], turn)})
     return float(len(messages[-1].get("content") or "") % 2)
 
@@ -143,8 +152,9 @@ class Direct:
     def __init__(self, engine):
         self.engine = engine
 
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id):
-        return await self.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, **kwargs):
+        return await self.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                          **kwargs)
 
 
 def pct(xs, q):
@@ -296,10 +306,19 @@ async def round_trips(endpoint, engine, renderer, n: int, warmup: int = 10, toke
     return res
 
 
+def path_name(spec: str) -> str:
+    """The endpoint path's name in the throughput figures: ``endpoint`` (``0``: the agent in this
+    process), ``endpoint_w4`` (``4``: agent.workers=4, in 4 worker processes), ``endpoint_w4_asyncio``
+    (``4:asyncio``: the same with asyncio's own event loop in the workers instead of uvloop)."""
+    workers, _, loop = spec.partition(":")
+    return "endpoint" if int(workers) == 0 else f"endpoint_w{workers}" + (f"_{loop}" if loop else "")
+
+
 async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, *, work: str = "calculator",
-                     reps: int = 2, keep: list | None = None) -> dict:
-    """Both paths on the same tasks by seed, alternating, ``reps`` times each. ``keep``: a list
-    that gets (path, trajectory) pairs (for the logprob agreement)."""
+                     reps: int = 2, keep: list | None = None, agent_workers: tuple[str, ...] = ("0",)) -> dict:
+    """The env path and the endpoint path (once per ``agent_workers`` value) on the same tasks by
+    seed, in an order that rotates each rep, ``reps`` times each. ``keep``: a list that gets
+    (path, trajectory) pairs (for the logprob agreement)."""
     import agentrl.envs  # noqa: F401
     import gymnasium as gym
     from agentrl.envs.base import set_tool_parser
@@ -308,7 +327,21 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
     from agentrl.rollout import run_group, widen_env_threads
 
     widen_env_threads(64)
-    agent = load_agent(cfg.agent)
+    import os
+
+    agents = {path_name(w): load_agent(cfg.agent.model_copy(update={"workers": int(w.partition(":")[0])}))
+              for w in agent_workers}
+    for spec, (name, agent) in zip(agent_workers, agents.items()):  # untimed: start the workers, import the agent
+        if agent.cfg.workers:
+            t0 = time.perf_counter()
+            os.environ["AGENTRL_AGENT_WORKER_LOOP"] = spec.partition(":")[2] or "uvloop"  # read at the workers' start
+            await asyncio.gather(*[run_agent_group(agent, endpoint, seed=5_000 + g, rollout=cfg.rollout, group_id=-g - 1)
+                                   for g in range(max(1, agent.cfg.workers // cfg.rollout.group_size + 1))])
+            import psutil
+
+            rss = [psutil.Process(pid).memory_info().rss / 2**20 for pid in agent.pool.pids()]
+            print(f"  {name}: {agent.cfg.workers} agent worker processes started and warmed in "
+                  f"{time.perf_counter() - t0:.1f} s (RSS {min(rss):.0f}-{max(rss):.0f} MiB each)", flush=True)
 
     def make_env():
         if work == "turns":
@@ -318,19 +351,30 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
         return env
 
     client = Direct(engine)
-    res = {"env": [0.0, 0, 0, 0], "endpoint": [0.0, 0, 0, 0]}  # seconds, trajectories, sampled tokens, requests
+    if isinstance(engine, Replay):  # untimed: the real engine's answers to every prompt of the timed passes
+        for rep in range(reps):
+            await asyncio.gather(*[run_group(make_env, renderer, client, seed=10_000 + rep * 1000 + g, cfg=cfg.rollout,
+                                             group_id=10_000 + rep * 1000 + g, max_model_len=cfg.engine.max_model_len)
+                                   for g in range(groups)])
+        engine.misses = 0
+    paths = ["env", *agents]
+    res = {p: [0.0, 0, 0, 0] for p in paths}  # seconds, trajectories, sampled tokens, requests
+    cpu = {p: {"bench": 0.0, "engine": 0.0, "workers": 0.0} for p in paths}  # CPU seconds by process
     for rep in range(reps):
-        for path in ("env", "endpoint") if rep % 2 == 0 else ("endpoint", "env"):
+        for path in paths[rep % len(paths):] + paths[:rep % len(paths)]:
+            c0 = cpu_by_process(agents)
             t0 = time.perf_counter()
 
             async def one(seed, path=path):
                 if path == "env":
                     return await run_group(make_env, renderer, client, seed=seed, cfg=cfg.rollout, group_id=seed,
                                            max_model_len=cfg.engine.max_model_len)
-                return await run_agent_group(agent, endpoint, seed=seed, rollout=cfg.rollout, group_id=seed)
+                return await run_agent_group(agents[path], endpoint, seed=seed, rollout=cfg.rollout, group_id=seed)
 
             done = await asyncio.gather(*[one(10_000 + rep * 1000 + g) for g in range(groups)])
             res[path][0] += time.perf_counter() - t0
+            for k, v in cpu_by_process(agents).items():
+                cpu[path][k] += v - c0[k]
             trajs = [t for g in done for t in g.trajectories]
             res[path][1] += len(trajs)
             res[path][2] += sum(t.num_sampled_tokens for t in trajs)
@@ -338,7 +382,29 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
             assert not [t for t in trajs if t.status == "failed"], [t.info for t in trajs if t.status == "failed"][:3]
             if keep is not None and rep == 0:
                 keep += [(path, t) for t in trajs]
-    return res
+    for agent in agents.values():
+        await agent.close()
+    return res, cpu
+
+
+def cpu_by_process(agents: dict) -> dict[str, float]:
+    """CPU seconds so far (user + system) of this process (the endpoint, the engine's client,
+    the env path's envs, in-process agents), of its other descendants (vLLM's engine core), and
+    of the agent worker processes."""
+    import psutil
+
+    workers = {pid for a in agents.values() if a.pool is not None for pid in a.pool.pids()}
+    out = {"bench": 0.0, "engine": 0.0, "workers": 0.0}
+    me = psutil.Process()
+    t = me.cpu_times()
+    out["bench"] = t.user + t.system
+    for child in me.children(recursive=True):
+        try:
+            t = child.cpu_times()
+        except psutil.Error:
+            continue
+        out["workers" if child.pid in workers else "engine"] += t.user + t.system
+    return out
 
 
 def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
@@ -352,7 +418,7 @@ def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     net = load_hf_model(model, dtype, device).eval()
     out = {}
-    for path in ("env", "endpoint"):
+    for path in dict.fromkeys(p for p, _ in kept):
         trajs = [t for p, t in kept if p == path][:per_path]
         diffs = []
         for k in range(0, len(trajs), 8):
@@ -367,6 +433,29 @@ def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
     if device == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+class Replay:
+    """The real engine's greedy answers, replayed by prompt after ``latency_s`` of sleep (no CPU):
+    an engine as fast as a GPU's that takes none of this machine's cores, so the throughput part
+    measures what limits the rollout side alone. A prompt not seen before goes to the engine
+    (``misses``); at equal work the timed passes have none."""
+
+    def __init__(self, engine, latency_s: float) -> None:
+        self.engine = engine
+        self.latency_s = latency_s
+        self.cache: dict = {}
+        self.misses = 0
+
+    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id=None, **_):
+        key = (tuple(prompt_ids), max_tokens)
+        out = self.cache.get(key)
+        if out is None:
+            self.misses += 1
+            out = self.cache[key] = await self.engine.generate(list(prompt_ids), max_tokens=max_tokens,
+                                                               temperature=0.0, top_p=1.0)
+        await asyncio.sleep(self.latency_s)
+        return out
 
 
 class Instant:
@@ -414,13 +503,15 @@ async def main(args) -> dict:
         model = str(bootstrap_tiny(Path("/tmp/agentrl-bench-tiny")))
     work = args.work or ("turns" if args.shape else "calculator")
     dtype = "bfloat16" if cuda else "float32"
+    # train.deterministic off (configs/quickstart.yaml sets it): its per-request sampling seeds would
+    # reach the env path's engine calls and not the endpoint's, which takes no seed
     overrides = [f"model.path={model}", "agent.solve=examples.calculator_agent:solve",
-                 "agent.tasks=examples.calculator_agent:tasks"]
+                 "agent.tasks=examples.calculator_agent:tasks", "train.deterministic=false"]
     if work == "turns":
         # the agent is loaded by name (agent.solve): the module's copy of TURNS is the one it reads
         for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
             mod.TURNS.update(n=args.turns, max_tokens=args.max_tokens)
-        overrides = [f"model.path={model}", "agent.solve=bench.agent_endpoint:turns_solve",
+        overrides = [f"model.path={model}", "train.deterministic=false", "agent.solve=bench.agent_endpoint:turns_solve",
                      "agent.tasks=bench.agent_endpoint:turns_tasks", f"rollout.max_turns={args.turns}",
                      f"rollout.max_new_tokens={args.max_tokens}", f"rollout.temperature={args.temperature}",
                      f"rollout.group_size={args.group_size}", "rollout.max_total_tokens=4096",
@@ -469,6 +560,11 @@ async def main(args) -> dict:
         report["round_trip_instant_engine"] = as_json(rt)
         await alone.stop()
     kept: list = []
+    agent_workers = tuple(args.agent_workers.split(","))
+    if not all(w.partition(":")[0].isdigit() and w.partition(":")[2] in ("", "uvloop", "asyncio")
+               for w in agent_workers) or len(set(agent_workers)) != len(agent_workers):
+        raise SystemExit(f"--agent-workers: distinct counts >= 0, each optionally :asyncio (e.g. 0,4,4:asyncio), "
+                         f"got {args.agent_workers!r}")
     # --sweep GROUPSxTOKENS,...: the throughput part at several loads (concurrent episodes) and
     # request lengths, on the same engine; default one point, --groups x --max-tokens.
     points = [tuple(int(x) for x in p.split("x")) for p in args.sweep.split(",")] if args.sweep else \
@@ -476,34 +572,54 @@ async def main(args) -> dict:
     if work != "turns":
         points = [(args.groups, cfg.rollout.max_new_tokens)]
     report["throughput"] = []
+    tp_endpoint, tp_engine = endpoint, engine
+    if args.replay_ms is not None:
+        tp_engine = Replay(engine, args.replay_ms / 1e3)
+        tp_endpoint = AgentEndpoint(renderer, parser, Direct(tp_engine), rollout=cfg.rollout, agent=cfg.agent,
+                                    max_model_len=cfg.engine.max_model_len)
+        await tp_endpoint.start()
+        report["replay_ms"] = args.replay_ms
     for groups, max_tokens in points:
         if work == "turns":
             cfg.rollout.max_new_tokens = max_tokens  # the env path's cap and the endpoint's (same object)
             for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
                 mod.TURNS.update(max_tokens=max_tokens)
-        tp = await throughput(endpoint, engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
-                              keep=kept if not kept else None)
+        tp, cpu = await throughput(tp_endpoint, tp_engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
+                                   keep=kept if not kept else None, agent_workers=agent_workers)
         print(f"\nthroughput at equal work ({work}: {groups} groups x {cfg.rollout.group_size} episodes"
               + (f" x {args.turns} requests x {max_tokens} tokens" if work == "turns" else "")
-              + f", same seeds, temperature {cfg.rollout.temperature}, {args.reps} reps alternating):")
+              + (f", same seeds, the engine's greedy answers replayed after {args.replay_ms:g} ms (misses in the "
+                 f"timed passes: {tp_engine.misses})" if args.replay_ms is not None else
+                 f", same seeds, temperature {cfg.rollout.temperature}") + f", {args.reps} reps alternating):")
         for k, (secs, n, toks, reqs) in tp.items():
-            print(f"  {k:9s} {n} trajectories, {reqs} requests, {toks} sampled tokens in {secs:.1f} s: "
-                  f"{n / secs:.2f} traj/s, {toks / secs:.0f} tok/s")
-        e, a = tp["env"], tp["endpoint"]
-        ratio = {"trajectories_per_s": (a[1] / a[0]) / (e[1] / e[0]),
-                 "sampled_tokens_per_s": (a[2] / a[0]) / (e[2] / e[0])}
-        print(f"  endpoint / env: {ratio['trajectories_per_s']:.3f} (trajectories/s), "
-              f"{ratio['sampled_tokens_per_s']:.3f} (sampled tokens/s)", flush=True)
+            c = cpu[k]
+            print(f"  {k:12s} {n} trajectories, {reqs} requests, {toks} sampled tokens in {secs:.1f} s: "
+                  f"{n / secs:.2f} traj/s, {toks / secs:.0f} tok/s; CPU ms per request: bench process "
+                  f"{1e3 * c['bench'] / reqs:.2f}, engine {1e3 * c['engine'] / reqs:.2f}, agent workers "
+                  f"{1e3 * c['workers'] / reqs:.2f}; cores busy {sum(c.values()) / secs:.2f}")
+        e = tp["env"]
         point = {k: {"seconds": secs, "trajectories": n, "sampled_tokens": toks, "requests": reqs,
-                     "trajectories_per_s": n / secs, "sampled_tokens_per_s": toks / secs}
+                     "trajectories_per_s": n / secs, "sampled_tokens_per_s": toks / secs, "cpu_s": cpu[k]}
                  for k, (secs, n, toks, reqs) in tp.items()}
-        point.update(endpoint_over_env=ratio, groups=groups, group_size=cfg.rollout.group_size, reps=args.reps,
+        for path, a in tp.items():
+            if path == "env":
+                continue
+            ratio = {"trajectories_per_s": (a[1] / a[0]) / (e[1] / e[0]),
+                     "sampled_tokens_per_s": (a[2] / a[0]) / (e[2] / e[0])}
+            print(f"  {path} / env: {ratio['trajectories_per_s']:.3f} (trajectories/s), "
+                  f"{ratio['sampled_tokens_per_s']:.3f} (sampled tokens/s)", flush=True)
+            point[f"{path}_over_env"] = ratio
+        if args.replay_ms is not None:
+            point["replay_misses"] = tp_engine.misses
+        point.update(groups=groups, group_size=cfg.rollout.group_size, reps=args.reps, agent_workers=list(agent_workers),
                      concurrent_episodes=groups * cfg.rollout.group_size, temperature=cfg.rollout.temperature,
                      turns=args.turns if work == "turns" else None, max_tokens=max_tokens)
         report["throughput"].append(point)
+    if tp_endpoint is not endpoint:
+        await tp_endpoint.stop()
     await endpoint.stop()
     engine.shutdown()
-    if args.agreement and cfg.rollout.temperature == 1.0:
+    if args.agreement and cfg.rollout.temperature == 1.0 and args.replay_ms is None:
         ag = agreement(model, dtype, kept)
         for path, r in ag.items():
             print(f"  engine vs torch learner logprobs, {path} path: {r['tokens']} tokens of {r['trajectories']} "
@@ -537,6 +653,13 @@ if __name__ == "__main__":
     p.add_argument("--sweep", default=None,
                    help="--work turns: throughput at several points GROUPSxTOKENS,... (e.g. 16x128,32x64)")
     p.add_argument("--temperature", type=float, default=1.0, help="--work turns: sampling temperature")
+    p.add_argument("--replay-ms", type=float, default=None,
+                   help="throughput: replay the engine's greedy answers after this many ms (no CPU) instead of "
+                        "sampling: what limits the rollout side when the engine is fast and elsewhere (a GPU's)")
+    p.add_argument("--agent-workers", default="0",
+                   help="throughput: the endpoint path once per agent.workers value, e.g. 0,4 (0: the agent in "
+                        "this process; N: in N agent worker processes; N:asyncio: the same on asyncio's loop "
+                        "instead of uvloop), alternating with the env path")
     p.add_argument("--agreement", action=argparse.BooleanOptionalAction, default=True,
                    help="compare the engine's logprobs with the torch learner's (temperature 1.0 only)")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.5)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -206,10 +207,15 @@ async def summarizing_agent(client, task):
     return 1.0
 
 
-def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path, workers):
     """`Trainer` with agent.solve: rollout actors serve the endpoint, the Agents SDK agent makes
     the requests (streamed on some tasks: the engine actor's streaming generator through Ray),
-    three learner steps with refits consume the recorded trajectories."""
+    three learner steps with refits consume the recorded trajectories. With agent.workers=2 the
+    agents run in worker processes of the rollout actors, and none is left after shutdown."""
+    import time
+
+    import psutil
     import ray
 
     from agentrl.trainer import Trainer
@@ -222,15 +228,30 @@ def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     cfg = load_config(None, e2e_overrides(tiny_model_dir, run_dir, "agent.solve=tests.e2e_agents:solve_mixed",
                                           "agent.tasks=tests.e2e_agents:tasks", "rollout.max_turns=3",
-                                          "agent.timeout_s=60"))
+                                          "agent.timeout_s=60", f"agent.workers={workers}"))
     trainer = Trainer(cfg, progress=False)
+    t0 = time.time()
+
+    def agent_workers() -> list[psutil.Process]:  # this run's, children of its rollout actors
+        return [p for p in psutil.process_iter(["cmdline", "create_time"]) if p.info["create_time"] >= t0 - 1
+                and "agentrl.agent_worker" in (p.info["cmdline"] or [])]
+
     try:
         trainer.run()
         stats = ray.get(trainer.rollouts[0].stats.remote())
+        running = agent_workers()
+        parents = {p.ppid() for p in running}
     finally:
         trainer.shutdown()
         if started:  # the next test module starts a Ray of its own
             ray.shutdown()
+    if workers:
+        assert stats["rollout/agent_worker_starts"] >= 1 and stats["rollout/agent_worker_deaths"] == 0, stats
+        assert running and os.getpid() not in parents  # in the rollout actors, not here
+        _, alive = psutil.wait_procs(running, timeout=15)
+        assert not alive, f"agent workers left after shutdown: {alive}"
+    else:
+        assert "rollout/agent_worker_starts" not in stats and not running
     steps = [r for r in read_rows(run_dir) if "train/loss" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(r["rollout/failed_frac"] < 1.0 and r["rollout/segments"] >= 1.0 for r in steps)
