@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agentrl.agent_worker import encode_frame, read_frame
+from agentrl.agent_protocol import encode_frame, read_frame
 
 __all__ = ["AgentRaised", "AgentWorkerDied", "AgentWorkerPool"]
 

@@ -24,35 +24,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pickle
-import struct
 import sys
 from typing import Any
 
+from agentrl.agent_protocol import encode_frame, read_frame
+
 __all__ = ["encode_frame", "read_frame"]
-
-_HEADER = struct.Struct(">I")
-MAX_FRAME = 1 << 30
-
-
-def encode_frame(message: Any) -> bytes:
-    """One message as a frame: a 4-byte big-endian length, then the pickle."""
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    if len(body) > MAX_FRAME:
-        raise ValueError(f"a frame of {len(body)} bytes is over the {MAX_FRAME}-byte limit")
-    return _HEADER.pack(len(body)) + body
-
-
-async def read_frame(reader: asyncio.StreamReader) -> Any | None:
-    """The next message, or None at end of stream (also when it ends inside a frame)."""
-    try:
-        (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
-        if size > MAX_FRAME:
-            raise ValueError(f"a frame of {size} bytes is over the {MAX_FRAME}-byte limit: the stream is corrupt")
-        return pickle.loads(await reader.readexactly(size))
-    except asyncio.IncompleteReadError:
-        return None
-
 
 def _die_with_parent(parent_pid: int) -> None:
     """Linux: SIGKILL this process when its parent dies, even if the event loop is blocked (an
