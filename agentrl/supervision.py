@@ -23,8 +23,16 @@ from agentrl.watchdog import ActorReport, RunStopped
 __all__ = ["Supervision"]
 
 
+# A stop signal's text, kept until shutdown: Python drops an exception raised where it cannot
+# propagate (a finalizer the garbage collector runs: "Exception ignored in ..."), so a signal that
+# lands there would otherwise be lost; the driver's loop checks this at every step.
+_SIGNALLED: list[str] = []
+
+
 def _stop_as_on_ctrl_c(signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
+    why = f"stopped by signal {signal.Signals(signum).name}"
+    _SIGNALLED.append(why)
+    raise KeyboardInterrupt(why)
 
 
 class Supervision:
@@ -39,13 +47,21 @@ class Supervision:
         -6), which left Ray's agent processes, the engine's temp dir and the run's compile cache
         behind (bench/soak.py, 2026-11-27). Main thread only (Python's rule for handlers)."""
         if threading.current_thread() is threading.main_thread():
+            _SIGNALLED.clear()
             self._sigterm_before = signal.signal(signal.SIGTERM, _stop_as_on_ctrl_c)
+
+    def _stop_if_signalled(self) -> None:
+        """Raise the KeyboardInterrupt of a SIGTERM taken since ``_take_sigterm`` (again: its first
+        raise may have been dropped, see ``_SIGNALLED``). The loop calls this at every step."""
+        if _SIGNALLED:
+            raise KeyboardInterrupt(_SIGNALLED[-1])
 
     def _give_back_sigterm(self) -> None:
         before = getattr(self, "_sigterm_before", None)
         if before is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, before)
             self._sigterm_before = None
+            _SIGNALLED.clear()
 
     def _replace_rollout(self, i: int, why: str) -> None:
         """A rollout actor died or froze: kill it, give its replay slots back (its groups in flight

@@ -372,6 +372,7 @@ class Trainer(Supervision, WeightSync):
         # a bar on a terminal; plain lines with --no-progress or when output goes to a file or a pipe
         with TrainProgress(cfg.train.num_steps, start=self.step, mode="auto" if self.progress else "lines") as bar:
             while True:
+                self._stop_if_signalled()
                 if pending is None:
                     if not may_start(self.step):
                         break

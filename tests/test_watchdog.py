@@ -228,3 +228,31 @@ def test_only_warm_up_kinds_drop_their_first_wait(tmp_path):
     assert "batch" in WARMUP_KINDS and "refit" not in WARMUP_KINDS
     assert wd.deadlines.quantile("refit") is not None  # both refits recorded
     assert wd.deadlines.quantile("batch") is None  # the first batch was not: one of two
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped interrupt
+def test_a_sigterm_dropped_inside_a_finalizer_still_stops_the_loop():
+    # Python drops an exception raised in a finalizer ("Exception ignored in ..."): a SIGTERM whose
+    # handler runs there loses its KeyboardInterrupt. The driver keeps the signal and its loop raises
+    # it at the next step (a SIGTERM test of a whole run once trained on to the end this way).
+    import gc
+
+    from agentrl.supervision import Supervision
+
+    sup = Supervision()
+    sup._take_sigterm()
+    try:
+        class Dropper:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(1000):  # the handler runs here, inside the finalizer
+                    pass
+
+        d = Dropper()
+        del d
+        gc.collect()
+        with pytest.raises(KeyboardInterrupt, match="stopped by signal SIGTERM"):
+            sup._stop_if_signalled()
+    finally:
+        sup._give_back_sigterm()
+    sup._stop_if_signalled()  # given back: nothing pending
