@@ -24,7 +24,7 @@
    throughput part runs ``--work turns``: every episode makes ``--turns`` requests of
    ``--max-tokens`` tokens (a random model never calls a tool, so the Calculator's episodes would
    make one request each), the env path through ``TurnsEnv``, the endpoint path through
-   ``turns_solve`` (a plain openai-SDK loop), with the same messages by seed. Then the torch
+   ``turns_solve`` (a plain openai-SDK loop), with the same messages by seed (bench/agent_endpoint_work.py). Then the torch
    learner's logprobs of both paths' trajectories are compared with the engine's (mean |delta|).
    ``--out`` writes every figure as JSON.
 
@@ -51,6 +51,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from bench.agent_endpoint_work import TURNS, Direct, Instant, Replay, turns_env  # noqa: E402
 
 
 SHAPES = {  # Qwen2.5 shapes (tied embeddings, 151,936-token vocabulary); "cpu" is a small stand-in
@@ -93,68 +95,6 @@ def make_shape_model(out: Path, shape: str) -> str:
     if cuda:
         torch.cuda.empty_cache()
     return str(out)
-
-
-def turns_words(seed: int, turn: int) -> str:
-    """The observation after reply ``turn`` of the episode of ``seed`` (both paths: same text)."""
-    import random
-
-    rng = random.Random(seed * 1000 + turn)
-    return "Go on. " + " ".join(rng.choice(["red", "green", "blue", "seven", "eight"]) for _ in range(12))
-
-
-def turns_tasks(seed: int) -> dict:
-    """--work turns: the task of ``seed`` (the first user message), with the turns and tokens per
-    request (an agent worker process has its own copy of TURNS, which main does not set)."""
-    return {"seed": seed, "question": f"Task {seed}: " + turns_words(seed, -1), **TURNS}
-
-
-TURNS = {"n": 4, "max_tokens": 64}  # set by main from --turns / --max-tokens (the agent reads them)
-
-
-async def turns_solve(client, task: dict) -> float:
-    """--work turns, the endpoint path: a plain openai-SDK loop of TURNS["n"] requests, each
-    followed by a user message, as TurnsEnv does on the env path."""
-    messages = [{"role": "user", "content": task["question"]}]
-    for turn in range(task["n"]):
-        response = await client.chat.completions.create(model="agentrl-policy", messages=messages,
-                                                        max_tokens=task["max_tokens"])
-        messages.append(response.choices[0].message.model_dump(exclude_none=True))
-        if turn + 1 < task["n"]:
-            messages.append({"role": "user", "content": turns_words(task["seed"], turn)})
-    return float(len(messages[-1].get("content") or "") % 2)
-
-
-def turns_env(turns: int):
-    """--work turns, the env path: TURNS["n"] replies per episode, a user message after each but the last."""
-    import random
-
-    from agentrl.envs.base import TextEnv, Turn
-
-    class TurnsEnv(TextEnv):
-        def new_task(self, rng: random.Random, options: dict) -> list[dict]:
-            self._seed = self._episode_seed
-            return [{"role": "user", "content": turns_tasks(self._seed)["question"]}]
-
-        def reset(self, *, seed=None, options=None):
-            self._episode_seed = seed
-            return super().reset(seed=seed, options=options)
-
-        def respond(self, action: str) -> Turn:
-            if self.num_turns >= turns:
-                return Turn([], reward=float(len(action) % 2), terminated=True, success=True)
-            return Turn([{"role": "user", "content": turns_words(self._seed, self.num_turns - 1)}], reward=0.0)
-
-    return TurnsEnv(max_turns=turns)
-
-
-class Direct:
-    def __init__(self, engine):
-        self.engine = engine
-
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id, **kwargs):
-        return await self.engine.generate(prompt_ids, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                          **kwargs)
 
 
 def pct(xs, q):
@@ -435,39 +375,6 @@ def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
     return out
 
 
-class Replay:
-    """The real engine's greedy answers, replayed by prompt after ``latency_s`` of sleep (no CPU):
-    an engine as fast as a GPU's that takes none of this machine's cores, so the throughput part
-    measures what limits the rollout side alone. A prompt not seen before goes to the engine
-    (``misses``); at equal work the timed passes have none."""
-
-    def __init__(self, engine, latency_s: float) -> None:
-        self.engine = engine
-        self.latency_s = latency_s
-        self.cache: dict = {}
-        self.misses = 0
-
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id=None, **_):
-        key = (tuple(prompt_ids), max_tokens)
-        out = self.cache.get(key)
-        if out is None:
-            self.misses += 1
-            out = self.cache[key] = await self.engine.generate(list(prompt_ids), max_tokens=max_tokens,
-                                                               temperature=0.0, top_p=1.0)
-        await asyncio.sleep(self.latency_s)
-        return out
-
-
-class Instant:
-    """An engine that answers every request at once with one fixed sample."""
-
-    def __init__(self, out):
-        self.out = out
-
-    async def generate(self, prompt_ids, *, max_tokens, temperature, top_p, episode_id=None, **_):
-        return self.out
-
-
 def show(title: str, rt: dict) -> None:
     print(f"\n{title}:")
     print(f"  {'':68s} p50 ms   p90 ms   +p50 ms  paired +ms  CPU ms")
@@ -479,7 +386,6 @@ def show(title: str, rt: dict) -> None:
 
 
 async def main(args) -> dict:
-    import importlib
     import json
     import platform
 
@@ -509,10 +415,9 @@ async def main(args) -> dict:
                  "agent.tasks=examples.calculator_agent:tasks", "train.deterministic=false"]
     if work == "turns":
         # the agent is loaded by name (agent.solve): the module's copy of TURNS is the one it reads
-        for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
-            mod.TURNS.update(n=args.turns, max_tokens=args.max_tokens)
-        overrides = [f"model.path={model}", "train.deterministic=false", "agent.solve=bench.agent_endpoint:turns_solve",
-                     "agent.tasks=bench.agent_endpoint:turns_tasks", f"rollout.max_turns={args.turns}",
+        TURNS.update(n=args.turns, max_tokens=args.max_tokens)
+        overrides = [f"model.path={model}", "train.deterministic=false", "agent.solve=bench.agent_endpoint_work:turns_solve",
+                     "agent.tasks=bench.agent_endpoint_work:turns_tasks", f"rollout.max_turns={args.turns}",
                      f"rollout.max_new_tokens={args.max_tokens}", f"rollout.temperature={args.temperature}",
                      f"rollout.group_size={args.group_size}", "rollout.max_total_tokens=4096",
                      "engine.max_model_len=4096", "agent.timeout_s=600", "agent.request_timeout_s=600"]
@@ -582,8 +487,7 @@ async def main(args) -> dict:
     for groups, max_tokens in points:
         if work == "turns":
             cfg.rollout.max_new_tokens = max_tokens  # the env path's cap and the endpoint's (same object)
-            for mod in (sys.modules[__name__], importlib.import_module("bench.agent_endpoint")):
-                mod.TURNS.update(max_tokens=max_tokens)
+            TURNS.update(max_tokens=max_tokens)
         tp, cpu = await throughput(tp_endpoint, tp_engine, renderer, parser, cfg, groups, work=work, reps=args.reps,
                                    keep=kept if not kept else None, agent_workers=agent_workers)
         print(f"\nthroughput at equal work ({work}: {groups} groups x {cfg.rollout.group_size} episodes"

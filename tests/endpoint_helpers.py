@@ -5,6 +5,7 @@ a recording sampler that stands in for the engine where a property needs thousan
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import threading
@@ -82,6 +83,24 @@ def make_endpoint(renderer: ChatRenderer, engine: Any, overrides: list[str] = ()
                              "engine.max_model_len=4096", "packing.max_tokens_per_microbatch=4096", *overrides])
     return AgentEndpoint(renderer, ToolCallParser("hermes", renderer.tokenizer), engine, rollout=cfg.rollout,
                          agent=cfg.agent, max_model_len=cfg.engine.max_model_len)
+
+
+@contextlib.contextmanager
+def serving(model_dir: str, overrides: list[str] = ("rollout.max_new_tokens=64",)):
+    """A started endpoint over a :class:`RecordingSampler` of the model's tokenizer, on a server
+    thread: ``(endpoint, sampler, server)``, stopped on exit."""
+    from transformers import AutoTokenizer
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(model_dir))
+    sampler = RecordingSampler(renderer, kinds=("call", "text"))
+    server = ServerThread()
+    endpoint = make_endpoint(renderer, sampler, list(overrides))
+    server.run(endpoint.start())
+    try:
+        yield endpoint, sampler, server
+    finally:
+        server.run(endpoint.stop())
+        server.close()
 
 
 def check_exact_tokens(trajectories: list[Any], calls: list[Any]) -> None:

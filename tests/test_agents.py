@@ -12,23 +12,15 @@ import pytest
 
 from agentrl.chat import ChatRenderer
 from agentrl.config import AgentConfig, ConfigError, load_config
-from tests.endpoint_helpers import RecordingSampler, ServerThread, check_exact_tokens, make_endpoint, tool_results
+from tests.endpoint_helpers import check_exact_tokens, serving, tool_results
 
 MODEL = "agentrl-policy"
 
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
-    sampler = RecordingSampler(renderer, kinds=("call", "text"))
-    server = ServerThread()
-    endpoint = make_endpoint(renderer, sampler, ["rollout.max_new_tokens=64"])
-    server.run(endpoint.start())
-    yield endpoint, sampler, server
-    server.run(endpoint.stop())
-    server.close()
+    with serving(tiny_model_dir) as started:
+        yield started
 
 
 # Agents, as a user writes them (looked up by module:function from this test module).
