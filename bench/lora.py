@@ -14,8 +14,9 @@ Parts (``--parts``, any subset, in this order; the JSON at ``--out`` is rewritte
 - ``agreement``: a 1.5B-shaped checkpoint, a random adapter refit into the engine by CUDA IPC;
   tokens sampled at T = 1 scored again by the learner (HF + PEFT, bf16): mean/max |diff| and the
   k3 mismatch KL, with the base (no adapter) beside it as the bf16 floor.
-- ``e2e``: bench/gpu_e2e.py's loop (multi-turn tool workload, engine + learner colocated on the
-  GPU) at ``--e2e-shape`` (1.5b; 3b, 7b, 14b: random weights of that Qwen2.5 shape) for each of
+- ``e2e``: bench/gpu_e2e.py's loop (multi-turn tool workload, engine + learner on one GPU:
+  ``--e2e-placement`` colocated, the engine asleep in each learner step, or split, both awake)
+  at ``--e2e-shape`` (1.5b; 3b, 7b, 14b: random weights of that Qwen2.5 shape) for each of
   ``--learners`` (torch_full, torch_lora: served as an adapter, torch_lora_merged:
   ``learner.lora.serve=merged``, megatron_full): trajectories/s, refit seconds, learner memory;
   then each LoRA mode's ratio to torch_full.
@@ -23,6 +24,7 @@ Parts (``--parts``, any subset, in this order; the JSON at ``--out`` is rewritte
     python bench/lora.py --parts refit,fit,agreement --out $OUT/lora_a.json   # device (bench/device_lora.sh)
     python bench/lora.py --parts e2e --out $OUT/lora_b.json
     python bench/lora.py --parts e2e --e2e-shape 7b --out $OUT/lora_b7.json
+    python bench/lora.py --parts e2e --e2e-placement split --engine-mem 0.2 --out $OUT/lora_b.json
     python bench/lora.py --cpu --out /tmp/lora_cpu.json                # CPU: tiny shapes, every part
 """
 
@@ -427,7 +429,7 @@ def bench_e2e(args: argparse.Namespace, report: dict[str, Any] | None = None, sa
         shape = args.e2e_shape
         model = e2e.make_model(Path(args.workdir) / f"qwen2.5-{shape}-shape", qwen2_config(shape),
                                init_dtype="float32" if shape == "1.5b" else "bfloat16")
-        placement = "colocated"
+        placement = args.e2e_placement
         base_set = []
     ns = argparse.Namespace(
         workdir=args.workdir, seconds=args.e2e_seconds, tool_latency=args.tool_latency, obs_words=args.obs_words,
@@ -493,6 +495,10 @@ def main() -> None:
     p.add_argument("--e2e-shape", default="1.5b", choices=[s for s in SHAPES if not s.startswith("cpu")],
                    help="model shape of the e2e part on the GPU (random weights; --cpu: the tiny model)")
     p.add_argument("--e2e-seconds", type=float, default=60.0, help="timed training per learner")
+    p.add_argument("--e2e-placement", default="colocated", choices=["colocated", "split"],
+                   help="GPU: colocated (the engine sleeps during each learner step, configs/gpu_1x.yaml) or split "
+                        "(the engine stays awake beside the learner and generates while it trains, as the GPU loop's "
+                        "headline figure; --engine-mem is then its share)")
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--tool-latency", type=float, default=0.5)
     p.add_argument("--obs-words", type=int, default=150)
