@@ -20,6 +20,9 @@
 #   bash bench/device_lora.sh b7
 # RESULTS' earlier 1.5B figures used 120 s windows, one learner per call:
 #   B_ARGS="--learners torch_lora_merged --e2e-seconds 120" bash bench/device_lora.sh b
+# The same with the engine awake beside the learner (it generates while the learner trains, the GPU
+# loop's headline placement; the engine's share 0.2 as bench/gpu_e2e.py's split default):
+#   B_ARGS="--learners torch_lora_merged,torch_full --e2e-seconds 90 --e2e-placement split --engine-mem 0.2" bash bench/device_lora.sh b
 #   bash bench/device_lora.sh ls          # one learner step at 1.5B, profiled: full fine-tuning, LoRA
 #                                         # through PEFT's layer forward, LoRA fused (tools/learner_step.py)
 #   bash bench/device_lora.sh tests       # the CPU LoRA tests on the GPU's engine (optional)
