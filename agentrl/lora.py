@@ -11,6 +11,7 @@ of Ray or vLLM; peft and transformers are imported when used.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -81,6 +82,11 @@ def wrap_model(model: torch.nn.Module, cfg: LoRAConfig, base_path: str | Path | 
     return peft_model
 
 
+FUSED_BACKWARD = True
+"""The fused layer's backward for a frozen base (``_frozen_base_lora``); False: autograd's, through the
+same two GEMMs (tools/learner_step.py's ``torch_lora_autograd`` variant profiles the difference)."""
+
+
 def _fused_forward(self, x, *args, **kwargs):
     """A plain LoRA linear layer's forward with the adapter added inside one GEMM's epilogue:
     ``y = base(x); y += scale * (x @ A^T) @ B^T`` as an in-place ``addmm_``. PEFT's own forward
@@ -102,11 +108,54 @@ def _fused_forward(self, x, *args, **kwargs):
     if not plain:
         return type(self).__mro__[1].forward(self, x, *args, **kwargs)
     x2 = x.reshape(-1, x.shape[-1])  # 2-D: the GEMMs' own outputs, not views of them (an in-place
-    y = self.base_layer(x2)          # update of a view would make autograd copy the gradient back)
-    # y is not saved by the base GEMM's backward (which needs only its weight and input), so an
-    # in-place update keeps autograd exact; addmm_'s backward is d(y) = g, d(h) = s g B, d(B) = s g^T h.
-    y.addmm_(torch.nn.functional.linear(x2, a), b.t(), alpha=self.scaling[name])
+    base = self.base_layer           # update of a view would make autograd copy the gradient back)
+    if (FUSED_BACKWARD and type(base) is torch.nn.Linear and not base.weight.requires_grad
+            and (base.bias is None or not base.bias.requires_grad) and not torch.is_autocast_enabled()):
+        y = _frozen_base_lora().apply(x2, base.weight, base.bias, a, b, self.scaling[name])
+    else:  # a base that trains too (or another base module): autograd through the same two GEMMs
+        y = base(x2)
+        # y is not saved by the base GEMM's backward (which needs only its weight and input), so an
+        # in-place update keeps autograd exact; addmm_'s backward is d(y) = g, d(h) = s g B, d(B) = s g^T h.
+        y.addmm_(torch.nn.functional.linear(x2, a), b.t(), alpha=self.scaling[name])
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+@functools.cache
+def _frozen_base_lora() -> type:
+    import torch  # (built on first use: this module imports without torch)
+
+    class FrozenBaseLora(torch.autograd.Function):
+        """``y = x W^T + bias + s (x A^T) B^T`` for a frozen ``W`` (and bias), with a backward that
+        adds the adapter's share of the input gradient into the base's in place:
+        ``dx = g W`` then ``dx += (s g B) A`` as one ``addmm_``. Autograd would write the adapter's
+        [tokens x in] gradient separately and then sum the two: two more passes over every adapted
+        projection's input gradient. ``dA = (s g B)^T x``, ``dB = s g^T (x A^T)``."""
+
+        @staticmethod
+        def forward(ctx, x, weight, bias, a, b, scale):  # type: ignore[override]
+            h = x @ a.t()  # [T, r]
+            y = torch.nn.functional.linear(x, weight, bias)
+            y.addmm_(h, b.t(), alpha=scale)
+            ctx.save_for_backward(x, weight, a, b, h)
+            ctx.scale = scale
+            return y
+
+        @staticmethod
+        @torch.autograd.function.once_differentiable
+        def backward(ctx, g):  # type: ignore[override]
+            x, weight, a, b, h = ctx.saved_tensors
+            gh = (g @ b).mul_(ctx.scale)  # [T, r]: d(x A^T)
+            dx = da = db = None
+            if ctx.needs_input_grad[0]:
+                dx = g @ weight
+                dx.addmm_(gh, a)
+            if ctx.needs_input_grad[3]:
+                da = gh.t() @ x
+            if ctx.needs_input_grad[4]:
+                db = (g.t() @ h).mul_(ctx.scale)
+            return dx, None, None, da, db, None
+
+    return FrozenBaseLora
 
 
 _FUSED: dict[type, type] = {}

@@ -24,7 +24,8 @@
 # loop's headline placement; the engine's share 0.2 as bench/gpu_e2e.py's split default):
 #   B_ARGS="--learners torch_lora_merged,torch_full --e2e-seconds 90 --e2e-placement split --engine-mem 0.2" bash bench/device_lora.sh b
 #   bash bench/device_lora.sh ls          # one learner step at 1.5B, profiled: full fine-tuning, LoRA
-#                                         # through PEFT's layer forward, LoRA fused (tools/learner_step.py)
+#                                         # fused with autograd's backward, LoRA fused forward and backward
+#                                         # (tools/learner_step.py; ~4 min a variant: LS_VARIANTS picks)
 #   bash bench/device_lora.sh tests       # the CPU LoRA tests on the GPU's engine (optional)
 # Everything lands in $OUT (lora_a.json, lora_b.json, logs). A_ARGS / B_ARGS: extra bench options.
 set -o pipefail
@@ -49,7 +50,7 @@ for step in "$@"; do
     b7) timeout -k 20 "${B7_TIMEOUT:-570}" python3 bench/lora.py --parts e2e --e2e-shape 7b --out "$OUT/lora_b7.json" \
          --learners torch_full,torch_lora_merged,torch_lora ${B_ARGS:-} 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/lora_b7.log" || rc=1 ;;
-    ls) timeout -k 20 "${LS_TIMEOUT:-500}" python3 tools/learner_step.py --variants "${LS_VARIANTS:-torch_full,torch_lora_peft,torch_lora}" \
+    ls) timeout -k 20 "${LS_TIMEOUT:-500}" python3 tools/learner_step.py --variants "${LS_VARIANTS:-torch_full,torch_lora_autograd,torch_lora}" \
          --workdir /tmp/learner_step --out "$OUT/learner_step_lora.json" 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/learner_step_lora.log" || rc=1 ;;
     tests) timeout -k 20 "${T_TIMEOUT:-400}" python3 -m pytest -q -x -s -p no:cacheprovider tests/test_lora.py 2>&1 \

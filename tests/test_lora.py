@@ -110,10 +110,10 @@ def test_fused_adapter_forward_equals_peft_and_its_gradients(tiny_model_dir, ran
     model = wrap_model(load_hf_model(tiny_model_dir, "float32"), LoRAConfig(rank=rank, alpha=alpha), tiny_model_dir)
     layers = [m for m in model.modules() if type(m).__name__ == "FusedLoraLinear"]
     assert len(layers) == 7 * model.config.num_hidden_layers
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if ".lora_B." in n:
-                p.normal_(0, 0.5)
+    with torch.no_grad():  # B drawn so that the scaled update (alpha / rank) B A is the same size for
+        for n, p in model.named_parameters():  # any alpha and rank: at alpha 10, rank 1, std 0.5 saturated
+            if ".lora_B." in n:                # the attention, and float32 rounding grew to 2.5e-4 in the logits
+                p.normal_(0, 0.5 * rank / alpha)
     ids = torch.randint(0, model.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(seed))
     out, grads = _lora_grads(model, ids)
     with torch.no_grad(), model.disable_adapter():
@@ -151,9 +151,10 @@ def test_fused_adapter_in_bfloat16_is_as_close_to_exact_as_peft(rank, alpha):
     def run(dtype):
         model.zero_grad(set_to_none=True)
         model.to(dtype)
-        y = model(x.to(dtype))
+        xd = x.to(dtype).requires_grad_()  # the input's gradient too: the fused backward writes it
+        y = model(xd)
         (y.double() * w.double()).sum().backward()
-        return [y.detach().double()] + [p.grad.double() for p in model.parameters() if p.requires_grad]
+        return [y.detach().double(), xd.grad.double()] + [p.grad.double() for p in model.parameters() if p.requires_grad]
 
     exact = run(torch.float64)
     peft = run(torch.bfloat16)  # get_peft_model alone: PEFT's forward
@@ -161,6 +162,45 @@ def test_fused_adapter_in_bfloat16_is_as_close_to_exact_as_peft(rank, alpha):
     fused = run(torch.bfloat16)
     for e, p, f in zip(exact, peft, fused):
         assert float((f - e).norm()) <= 1.1 * float((p - e).norm()) + 1e-6 * float(e.norm())
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("base_trains", [False, True])
+def test_fused_layer_gradients_with_a_frozen_or_a_training_base(bias, base_trains):
+    # A frozen base takes the fused backward (one in-place addmm for the input's gradient); a base
+    # that trains too takes autograd's path. Either way: the output and every gradient (the input's,
+    # the adapters', the base's when it trains) equal PEFT's own layer in float64.
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    model = get_peft_model(torch.nn.Sequential(torch.nn.Linear(24, 40, bias=bias)),
+                           LoraConfig(r=4, lora_alpha=12, target_modules=["0"])).double()
+    layer = model.base_model.model[0]
+    with torch.no_grad():
+        layer.lora_B.default.weight.normal_(0, 0.5)
+    layer.base_layer.weight.requires_grad_(base_trains)
+    if bias:
+        layer.base_layer.bias.requires_grad_(base_trains)
+    x, w = torch.randn(3, 5, 24, dtype=torch.float64), torch.randn(3, 5, 40, dtype=torch.float64)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        xd = x.clone().requires_grad_()
+        y = model(xd)
+        (y * w).sum().backward()
+        params = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+        return y.detach(), xd.grad, params, y.grad_fn
+
+    want_y, want_dx, want_p, _ = run()  # PEFT's forward
+    assert fuse_adapters(model) == 1
+    got_y, got_dx, got_p, fn = run()
+    names = {type(fn).__name__} | {type(f).__name__ for f, _ in fn.next_functions if f is not None}
+    assert any("FrozenBaseLora" in n for n in names) == (not base_trains), names
+    torch.testing.assert_close(got_y, want_y)
+    torch.testing.assert_close(got_dx, want_dx)
+    assert got_p.keys() == want_p.keys() and len(got_p) == (3 + bias if base_trains else 2)
+    for n in want_p:
+        torch.testing.assert_close(got_p[n], want_p[n], msg=n)
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

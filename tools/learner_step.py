@@ -20,7 +20,9 @@ Qwen2.5-1.5B-shaped checkpoint written to ``--workdir``; LoRA rank ``--rank`` on
 PEFT, as ``learner.lora`` trains it), to see where a LoRA step's time goes against full fine-tuning's
 (issue 31: the LoRA learner processed 13 % fewer tokens/s than full fine-tuning at 1.5B);
 ``torch_lora_peft`` is LoRA through PEFT's own layer forward instead of agentrl's fused one
-(``agentrl.lora.fuse_adapters``). Every variant also lists its longest GPU kernels (total time per step):
+(``agentrl.lora.fuse_adapters``), ``torch_lora_autograd`` the fused forward with autograd's backward
+instead of the fused one (``agentrl.lora.FUSED_BACKWARD``). Every variant also lists its longest GPU
+kernels (total time per step):
 
     python tools/learner_step.py --variants torch_full,torch_lora_peft,torch_lora --out learner_step_lora.json
 """
@@ -44,7 +46,8 @@ SYNC_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchron
             "cudaMemcpy(", "cudaMemcpyAsync")
 VARIANTS = {"eager8k": (8192, "false"), "graphs4k": (4096, "true"), "graphs8k": (8192, "true"),  # tokens/micro-batch, graphs
             "torch_full": (8192, None), "torch_lora": (8192, None),  # the torch learner (no graphs)
-            "torch_lora_peft": (8192, None)}  # LoRA through PEFT's own layer forward (not the fused one)
+            "torch_lora_peft": (8192, None),  # LoRA through PEFT's own layer forward (not the fused one)
+            "torch_lora_autograd": (8192, None)}  # the fused forward with autograd's backward (before 2026-11-28)
 RANGES = ("agentrl.microbatch", "agentrl.loss", "agentrl.forward_backward", "agentrl.optimizer", "agentrl.metrics")
 
 
@@ -137,6 +140,7 @@ def main() -> None:
 
     from transformers import Qwen2Config
 
+    import agentrl.lora
     from agentrl.config import load_config
     from agentrl.learners.megatron.learner import MegatronLearner
     from agentrl.learners.torch_learner import TorchLearner
@@ -154,6 +158,7 @@ def main() -> None:
             cfg = load_config(REPO / "configs" / "gpu_1x.yaml", [
                 *common, "learner.backend=torch", "model.dtype=bfloat16", *lora, *args.set])
             learner = TorchLearner(cfg, model_path=torch_model(Path(args.workdir), Qwen2Config(**QWEN25_15B)), device="cuda")
+            agentrl.lora.FUSED_BACKWARD = variant != "torch_lora_autograd"
             if variant == "torch_lora_peft":  # undo agentrl.lora.fuse_adapters: PEFT's class again
                 for module in learner.model.modules():
                     if type(module).__name__ == "FusedLoraLinear":
