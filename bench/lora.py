@@ -495,10 +495,8 @@ def main() -> None:
     p.add_argument("--e2e-shape", default="1.5b", choices=[s for s in SHAPES if not s.startswith("cpu")],
                    help="model shape of the e2e part on the GPU (random weights; --cpu: the tiny model)")
     p.add_argument("--e2e-seconds", type=float, default=60.0, help="timed training per learner")
-    p.add_argument("--e2e-placement", default="colocated", choices=["colocated", "split"],
-                   help="GPU: colocated (the engine sleeps during each learner step, configs/gpu_1x.yaml) or split "
-                        "(the engine stays awake beside the learner and generates while it trains, as the GPU loop's "
-                        "headline figure; --engine-mem is then its share)")
+    p.add_argument("--e2e-placement", default="colocated", choices=["colocated", "split"], help="GPU: the engine "
+                   "asleep in each learner step (configs/gpu_1x.yaml), or awake beside the learner (--engine-mem its share)")
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--tool-latency", type=float, default=0.5)
     p.add_argument("--obs-words", type=int, default=150)
