@@ -132,6 +132,22 @@ def tool_results(message: dict[str, Any]) -> list[dict[str, Any]]:
             for c in message.get("tool_calls") or []]
 
 
+CALCULATE = [{"type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}]
+
+
+async def calculate_loop(client, question: str, *, model: str = "agentrl-policy", turns: int = 3) -> bool:
+    """A user's plain tool loop on the endpoint (the ``calculate`` tool, answered by
+    :func:`tool_results`): True when the model answered without a call within ``turns`` requests."""
+    messages = [{"role": "user", "content": question}]
+    for _ in range(turns):
+        out = await client.chat.completions.create(model=model, messages=messages, tools=CALCULATE)
+        msg = out.choices[0].message.model_dump(exclude_none=True)
+        if not msg.get("tool_calls"):
+            return True
+        messages += [msg, *tool_results(msg)]
+    return False
+
+
 @dataclass(repr=False)
 class StreamingSampler(RecordingSampler):
     """A :class:`RecordingSampler` that also streams (``stream``): one token per step. With

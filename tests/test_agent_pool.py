@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from agentrl.config import AgentConfig, ConfigError, load_config
-from tests.endpoint_helpers import check_exact_tokens, serving, tool_results
+from tests.endpoint_helpers import calculate_loop, check_exact_tokens, serving
 
 MODEL = "agentrl-policy"
 REPO = Path(__file__).resolve().parents[1]
@@ -35,14 +35,7 @@ def served(tiny_model_dir):
 # Agents, as a user writes them (a worker imports them by module:function).
 async def pid_agent(client, task):
     """A tool loop that returns the pid it ran in as its reward."""
-    messages = [{"role": "user", "content": task["question"]}]
-    for _ in range(3):
-        out = await client.chat.completions.create(model=MODEL, messages=messages, tools=[{
-            "type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}])
-        msg = out.choices[0].message.model_dump(exclude_none=True)
-        if not msg.get("tool_calls"):
-            break
-        messages += [msg, *tool_results(msg)]
+    await calculate_loop(client, task["question"], model=MODEL)
     print("a print from the agent: it must not reach the protocol")  # noqa: T201
     return float(os.getpid())
 

@@ -12,7 +12,7 @@ import pytest
 
 from agentrl.chat import ChatRenderer
 from agentrl.config import AgentConfig, ConfigError, load_config
-from tests.endpoint_helpers import check_exact_tokens, serving, tool_results
+from tests.endpoint_helpers import calculate_loop, check_exact_tokens, serving
 
 MODEL = "agentrl-policy"
 
@@ -25,15 +25,7 @@ def served(tiny_model_dir):
 
 # Agents, as a user writes them (looked up by module:function from this test module).
 async def loop_agent(client, task):
-    messages = [{"role": "user", "content": task["question"]}]
-    for _ in range(3):
-        out = await client.chat.completions.create(model=MODEL, messages=messages, tools=[{
-            "type": "function", "function": {"name": "calculate", "parameters": {"type": "object"}}}])
-        msg = out.choices[0].message.model_dump(exclude_none=True)
-        if not msg.get("tool_calls"):
-            return float(task["answer"])
-        messages += [msg, *tool_results(msg)]
-    return 0.5
+    return float(task["answer"]) if await calculate_loop(client, task["question"], model=MODEL) else 0.5
 
 
 def sync_agent(client, task):
