@@ -136,6 +136,13 @@ class LearnerActor(SyncDiag):
                 "reserved_gib": torch.cuda.memory_reserved() / 2**30,
                 "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
 
+    def memory_report(self) -> dict[str, float]:
+        """GiB this learner holds on its device, by holder (weights, gradients, optimizer state,
+        the refit buffer, ...: :func:`agentrl.learners.common.learner_memory`), and its peak."""
+        from agentrl.learners.common import learner_memory
+
+        return learner_memory(self.learner, {"refit_buffer": self._refit_buf})
+
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
 

@@ -36,6 +36,7 @@ __all__ = [
     "microbatch_slots",
     "pack_sequences",
     "padded_length",
+    "to_device",
     "unpack",
     "unpack_padded",
 ]
@@ -417,6 +418,9 @@ class PackedBatch:
     seq_lens: list[int]
     indices: list[int]
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    # cu_seqlens as a host list: what unpacking and the masks below are built from, so that a batch
+    # on the GPU never reads its own boundaries back (each read would make the host wait for the GPU)
+    _bounds: list[int] | None = field(default=None, repr=False, compare=False)
 
     @property
     def num_sequences(self) -> int:
@@ -428,42 +432,82 @@ class PackedBatch:
         return sum(self.seq_lens)
 
     @property
+    def bounds(self) -> list[int]:
+        """``cu_seqlens`` as a list, kept on the host (read from the tensor once, if ever)."""
+        if self._bounds is None:
+            self._bounds = [int(b) for b in self.cu_seqlens.tolist()]
+        return self._bounds
+
+    @property
     def padded_lens(self) -> list[int]:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        b = self.bounds
+        return [hi - lo for lo, hi in itertools.pairwise(b)]
 
     @property
     def max_seqlen(self) -> int:
         """Longest padded sequence (what varlen attention kernels call ``max_seqlen``)."""
         return max(self.padded_lens, default=0)
 
+    # The masks and indices below are built on the host from the lengths (Python lists) and sent
+    # to the batch's device with one asynchronous copy each: on a GPU nothing here waits for it.
+
     def real_mask(self) -> torch.Tensor:
         """``[1, T]`` bool: True on real tokens, False on padding."""
-        # Position ids count on through each sequence's padding, so they are offsets within it.
-        lens = torch.tensor(self.seq_lens, device=self.input_ids.device)
-        return self.position_ids < torch.repeat_interleave(
-            lens, self._padded_lens_tensor()
-        ).unsqueeze(0)
+        return to_device(self._host_offsets() < self._per_token(self.seq_lens), self.input_ids.device)[None]
 
     def document_ids(self) -> torch.Tensor:
         """``[T]`` long: the packed position (0..N-1) of the sequence each token belongs to."""
-        return torch.repeat_interleave(
-            torch.arange(self.num_sequences, device=self.input_ids.device),
-            self._padded_lens_tensor(),
-        )
+        return to_device(self._per_token(range(self.num_sequences)), self.input_ids.device)
 
-    def _padded_lens_tensor(self) -> torch.Tensor:
-        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).long().to(self.input_ids.device)
+    def document_starts(self) -> torch.Tensor:
+        """``[T]`` long: the packed position of the first token of each token's sequence."""
+        return to_device(self._per_token(self.bounds[:-1]), self.input_ids.device)
 
-    def to(self, device: torch.device | str) -> PackedBatch:
-        """A copy with every tensor on ``device``."""
+    def scored_positions(self) -> torch.Tensor:
+        """``[K]`` long, increasing: the real tokens that have a token before them in their sequence
+        (every real token but each sequence's first): the positions a logprob is computed for."""
+        b = self.bounds
+        idx = [torch.arange(lo + 1, lo + n) for lo, n in zip(b, self.seq_lens)]
+        return to_device(torch.cat(idx) if idx else torch.zeros(0, dtype=torch.long), self.input_ids.device)
+
+    def _per_token(self, values: Sequence[int]) -> torch.Tensor:
+        # values[i] repeated over sequence i's padded tokens, on the host: [T] long
+        return torch.repeat_interleave(torch.as_tensor(list(values), dtype=torch.long),
+                                       torch.as_tensor(self.padded_lens, dtype=torch.long))
+
+    def _host_offsets(self) -> torch.Tensor:
+        # each token's offset in its padded sequence (what position_ids hold), on the host
+        total = self.bounds[-1] if self.bounds else 0
+        return torch.arange(total) - self._per_token(self.bounds[:-1])
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
+        """A copy with every tensor on ``device``.
+
+        ``non_blocking``: host tensors go to a GPU through pinned memory, asynchronously (the host
+        does not wait for the copies, nor for the GPU's earlier work)."""
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return to_device(t, device) if non_blocking else t.to(device)
+
         return PackedBatch(
-            input_ids=self.input_ids.to(device),
-            position_ids=self.position_ids.to(device),
-            cu_seqlens=self.cu_seqlens.to(device),
+            input_ids=move(self.input_ids),
+            position_ids=move(self.position_ids),
+            cu_seqlens=move(self.cu_seqlens),
             seq_lens=list(self.seq_lens),
             indices=list(self.indices),
-            fields={k: v.to(device) for k, v in self.fields.items()},
+            fields={k: move(v) for k, v in self.fields.items()},
+            _bounds=self.bounds,
         )
+
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``; a host tensor goes to a GPU from pinned memory, asynchronously.
+
+    A plain ``.to("cuda")`` of pageable memory makes the host wait for the stream to drain, so a
+    micro-batch prepared while the GPU works (or any such copy inside the loss) would leave it idle."""
+    device = torch.device(device)
+    if t.device == device or device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
 
 
 def pack_sequences(
@@ -533,6 +577,7 @@ def pack_sequences(
         seq_lens=seq_lens,
         indices=order,
         fields={name: cat(parts, torch.float32) for name, parts in packed_fields.items()},
+        _bounds=bounds,
     )
 
 
@@ -547,8 +592,7 @@ def unpack(flat: torch.Tensor, batch: PackedBatch) -> list[torch.Tensor]:
         One ``[len_i, ...]`` view per packed sequence, in packed order (differentiable).
     """
     flat = _drop_row_dim(flat, batch)
-    starts = batch.cu_seqlens[:-1].tolist()
-    return [flat[s : s + n] for s, n in zip(starts, batch.seq_lens)]
+    return [flat[s : s + n] for s, n in zip(batch.bounds, batch.seq_lens)]
 
 
 def unpack_padded(flat: torch.Tensor, batch: PackedBatch, pad_value: float = 0.0) -> torch.Tensor:

@@ -330,8 +330,9 @@ def test_dense_top_k_loss_is_the_top_k_kl_and_pulls_the_student_to_the_teacher(t
     per_state = direct_kl(theta.detach())
     # the packed teacher logprobs are float32, as in the learner
     torch.testing.assert_close(float(loss.detach()), coef * float(per_state.mean()), atol=1e-6, rtol=1e-5)
+    # float32 as the loss (a sum of differences of logprobs: Hypothesis found 4.5e-6 relative at 1e-6)
     torch.testing.assert_close(float(metrics["train/distill_top_k_kl"]), float(per_state.mean()),
-                               atol=1e-6, rtol=1e-6)
+                               atol=1e-6, rtol=1e-5)
     (grad,) = torch.autograd.grad(loss, theta)
     if direction == "forward":
         target = torch.zeros_like(theta).scatter(1, top_ids, q)

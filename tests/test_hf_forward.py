@@ -13,6 +13,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from agentrl.learners.hf_forward import (
     PACKED_ATTENTION,
     chunked_logprobs,
+    document_block_mask,
     packed_token_logprobs,
     padded_token_logprobs,
 )
@@ -276,3 +277,86 @@ def test_flex_attention_path_on_cuda_matches_padded(dtype):
         torch.testing.assert_close(
             p.grad.float(), q.grad.float(), rtol=tol * 10, atol=tol * 10, msg=name
         )
+
+
+@settings(max_examples=25, deadline=None)
+@given(lens=st.lists(st.integers(1, 300), min_size=1, max_size=8), pad_multiple=st.sampled_from([1, 8, 64]))
+def test_document_block_mask_equals_torchs_dense_builder(lens, pad_multiple):
+    # The GPU path's BlockMask is built from the host boundaries; it must visit the same tiles
+    # and allow the same pairs as create_block_mask evaluating "same document, not after" densely.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    batch = pack_sequences([[1] * n for n in lens], pad_multiple=pad_multiple)
+    total = batch.input_ids.shape[1]
+    doc = batch.document_ids()
+
+    def document_causal(b, h, q, kv):
+        return (doc[q] == doc[kv]) & (q >= kv)
+
+    ref = create_block_mask(document_causal, None, None, total, total, device="cpu", _compile=False)
+    got = document_block_mask(batch)
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(got, name), getattr(ref, name)), name
+    assert torch.equal(got.to_dense(), ref.to_dense())
+    q, kv = torch.arange(total)[:, None], torch.arange(total)[None, :]
+    assert torch.equal(got.mask_mod(None, None, q, kv), document_causal(None, None, q, kv))
+
+
+def test_a_token_past_the_vocab_limit_is_a_clear_error_before_any_gpu_work():
+    model = _tiny_qwen2(torch.float32)
+    batch = pack_sequences([[1, 2, 3], [4, 200]])
+    with pytest.raises(ValueError, match="token id 200 is past vocab_limit 100"):
+        packed_token_logprobs(model, batch, vocab_limit=100)
+    teacher = torch.tensor([[[5], [7], [150], [1], [2]]])
+    with pytest.raises(ValueError, match="token id 150 is past vocab_limit 120"):
+        packed_token_logprobs(model, pack_sequences([[1, 2, 3], [4, 5]]), vocab_limit=120, extra_ids=teacher)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_packed_logprobs_and_their_backward_never_wait_for_the_gpu():
+    # The learner's micro-batch (host batch in, logprobs, loss, backward) queues its kernels
+    # without reading anything back, so the host runs ahead of the GPU (bench/RESULTS.md,
+    # eleventh session: 25 syncs a micro-batch left the H100 idle 20 % of a learner step).
+    model = _tiny_qwen2(torch.bfloat16, seed=3).cuda()
+    seqs = [torch.randint(0, VOCAB - 6, (n,)).tolist() for n in (300, 17, 129, 1, 64)]
+    batch = pack_sequences(seqs, {"adv": [[1.0] * len(s) for s in seqs]}, pad_multiple=8)
+
+    def step():
+        lp = packed_token_logprobs(model, batch, vocab_limit=VOCAB - 6)
+        moved = batch.to("cuda", non_blocking=True)
+        loss = (unpack_padded(lp, moved) * unpack_padded(moved.fields["adv"], moved)).sum()
+        loss.backward()
+        return loss.detach()
+
+    step()  # compiles (flex attention) outside the check
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss).item()
+
+
+@pytest.mark.parametrize("vocab_limit", [None, VOCAB - 6])
+def test_the_fused_head_gives_the_chunked_heads_logprobs_and_gradients(monkeypatch, vocab_limit):
+    # On a GPU with bf16 weights the packed path scores tokens with the Megatron learner's fused
+    # head; here both heads run on CPU (the fused one uncompiled) on the same bf16 model.
+    import agentrl.learners.hf_forward as hf
+
+    torch.manual_seed(11)
+    seqs = [torch.randint(0, VOCAB - 6, (n,)).tolist() for n in (40, 9, 1, 23)]
+    batch = pack_sequences(seqs, pad_multiple=4)
+    results = []
+    for fused in (False, True):
+        monkeypatch.setattr(hf, "_fused_head", lambda h, w, fused=fused: fused)
+        model = _tiny_qwen2(torch.bfloat16, seed=4)
+        lp = packed_token_logprobs(model, batch, temperature=0.7, chunk_size=16, vocab_limit=vocab_limit)
+        (lp * torch.linspace(-1, 1, lp.numel())).sum().backward()
+        results.append((lp.detach(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (lp_c, g_c), (lp_f, g_f) = results
+    assert torch.equal(lp_f == 0, lp_c == 0)  # the same positions scored
+    torch.testing.assert_close(lp_f, lp_c, rtol=2e-2, atol=2e-2)
+    for name, g in g_c.items():
+        torch.testing.assert_close(g_f[name], g, rtol=5e-2, atol=5e-2 * float(g.abs().max()) + 1e-6, msg=name)

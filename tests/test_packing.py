@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from agentrl.packing import (
     PACKERS,
+    PackedBatch,
     _mffd_only,
     bin_lower_bound,
     build_packer,
@@ -200,6 +201,49 @@ def test_pack_then_unpack_is_the_identity(case, pad_multiple, data):
     if order:
         assert batch.fields["loss_mask"].dtype == torch.long
         assert batch.document_ids().tolist() == [k for k, n in enumerate(padded) for _ in range(n)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(case=sequences_with_fields(), pad_multiple=st.integers(1, 8))
+def test_host_built_masks_equal_the_device_formulas(case, pad_multiple):
+    # real_mask / document_ids / document_starts / scored_positions are built on the host from the
+    # lengths (no GPU read-back); they must equal what the packed tensors themselves say, also for
+    # a batch made without the host boundaries (read from cu_seqlens) and for its device copy.
+    seqs, adv, _ = case
+    batch = pack_sequences(seqs, {"adv": adv}, pad_multiple=pad_multiple)
+    bare = PackedBatch(input_ids=batch.input_ids, position_ids=batch.position_ids,
+                       cu_seqlens=batch.cu_seqlens, seq_lens=batch.seq_lens, indices=batch.indices,
+                       fields=batch.fields)
+    moved = batch.to("cpu", non_blocking=True)
+    pos = batch.position_ids[0]
+    cu = batch.cu_seqlens.long()
+    doc = torch.repeat_interleave(torch.arange(len(seqs)), cu[1:] - cu[:-1])
+    real = pos < torch.tensor(batch.seq_lens, dtype=torch.long)[doc] if seqs else pos < 0
+    for b in (batch, bare, moved):
+        assert b.bounds == cu.tolist() and b.padded_lens == (cu[1:] - cu[:-1]).tolist()
+        assert torch.equal(b.real_mask()[0], real)
+        assert torch.equal(b.document_ids(), doc)
+        assert torch.equal(b.document_starts(), cu[:-1][doc] if seqs else doc)
+        assert torch.equal(b.scored_positions(), (real & (pos > 0)).nonzero()[:, 0])
+        assert [t.tolist() for t in unpack(b.input_ids, b)] == seqs
+    assert torch.equal(moved.fields["adv"], batch.fields["adv"]) and moved.seq_lens == batch.seq_lens
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_batch_goes_to_the_gpu_and_builds_its_masks_without_waiting_for_it():
+    batch = pack_sequences([[1, 2, 3], [4], [5, 6, 7, 8, 9]], {"adv": [[1.0] * 3, [2.0], [3.0] * 5]},
+                           pad_multiple=4)
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        moved = batch.to("cuda", non_blocking=True)
+        masks = (moved.real_mask(), moved.document_ids(), moved.document_starts(), moved.scored_positions())
+        parts = unpack(moved.fields["adv"], moved)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [p.tolist() for p in parts] == [[1.0] * 3, [2.0], [3.0] * 5]
+    assert masks[3].tolist() == [1, 2, 9, 10, 11, 12]
+    assert masks[0].sum().item() == 9 and masks[1].tolist() == [0] * 4 + [1] * 4 + [2] * 8
 
 
 def test_unpack_padded_is_differentiable_and_pads():

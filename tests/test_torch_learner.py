@@ -90,3 +90,27 @@ def test_proximal_logprobs_are_the_training_pass_own(tiny_model_dir, monkeypatch
     assert out["train/ratio_mean"] == 1.0 and out["train/clip_frac_low"] == out["train/clip_frac_high"] == 0.0
     out = learner.train_step(groups)  # and again after the weights moved
     assert len(seen) == 2 * out["train/num_microbatches"]
+
+
+def test_memory_breakdown_names_what_holds_the_learners_memory(tiny_model_dir):
+    from agentrl.learners.common import learner_memory
+
+    groups = [_group([1.0, 0.0, 0.0, 1.0], 0)]
+    full = TorchLearner(Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3}}))
+    full.train_step(groups)
+    param_gib = sum(p.numel() * p.element_size() for p in full.model.parameters()) / 2**30
+    buf = torch.zeros(1000, dtype=torch.bfloat16)
+    mem = learner_memory(full, {"refit_buffer": buf})
+    assert abs(mem["weights"] - param_gib) < 0.01 * param_gib + 1e-5  # + buffers (rotary inv_freq)
+    assert abs(mem["grads"] - param_gib) < 1e-3 * param_gib + 1e-6  # .grad kept after the step
+    assert abs(mem["optimizer_state"] - 2 * param_gib) < 0.01 * param_gib + 1e-5  # Adam's two moments
+    assert mem["refit_buffer"] == 2000 / 2**30 and "master_weights" not in mem
+    assert "allocated" not in mem  # CPU: no allocator figures
+
+    lora = TorchLearner(Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {
+        "lr": 1e-3, "lora": {"rank": 2, "alpha": 4}}}))
+    lora.train_step(groups)
+    small = learner_memory(lora)
+    trainable = sum(p.numel() * p.element_size() for p in lora.model.parameters() if p.requires_grad) / 2**30
+    assert abs(small["optimizer_state"] - 2 * trainable) < 0.01 * trainable + 1e-5
+    assert small["optimizer_state"] < 0.2 * mem["optimizer_state"] and small["grads"] < 0.2 * mem["grads"]

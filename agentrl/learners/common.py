@@ -21,6 +21,8 @@ __all__ = [
     "TrainSample",
     "build_samples",
     "global_counts",
+    "learner_memory",
+    "memory_breakdown",
     "merge_metrics",
     "microbatch_loss",
     "pack_samples",
@@ -182,3 +184,81 @@ def merge_metrics(per_microbatch: list[tuple[dict[str, torch.Tensor], float]]) -
             else:
                 out[key] = out.get(key, 0.0) + v * weight / total
     return out
+
+
+def _torch_optimizers(opt: object) -> list[torch.optim.Optimizer]:
+    # a torch optimizer, or Megatron's wrappers around them (.optimizer, .chained_optimizers)
+    if opt is None:
+        return []
+    if isinstance(opt, torch.optim.Optimizer):
+        return [opt]
+    inner = list(getattr(opt, "chained_optimizers", None) or []) or [getattr(opt, "optimizer", None)]
+    return [o for x in inner if x is not opt for o in _torch_optimizers(x)]
+
+
+def memory_breakdown(
+    modules: list[torch.nn.Module], optimizer: object, named: dict[str, torch.Tensor | None], device: torch.device,
+) -> dict[str, float]:
+    """GiB of ``device`` memory held by live tensors, by what holds them.
+
+    ``weights`` (the modules' parameters and buffers), ``grads`` (``.grad`` and Megatron's
+    ``main_grad``), ``master_weights`` (the parameters a wrapped optimizer updates when they are
+    not the modules': fp32 copies of bf16 weights), ``optimizer_state``, each ``named`` tensor
+    (e.g. the refit buffer), ``other`` (any other live tensor: caches, buffers of libraries).
+    A storage is counted once, under the first of these that holds it (a view counts its whole
+    storage: Megatron's parameters and gradients live in contiguous buffers). On a GPU also
+    ``allocated``, ``reserved`` and ``peak`` (PyTorch's allocator) and ``unseen`` (allocated but
+    held by no Python tensor: autograd's saved tensors, CUDA graph pools, C++ caches).
+    """
+    import gc
+
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    seen: set[int] = set()
+    out: dict[str, float] = {}
+
+    def add(kind: str, t: object) -> None:
+        if not isinstance(t, torch.Tensor) or t.device != device:
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and ptr not in seen:
+            seen.add(ptr)
+            out[kind] = out.get(kind, 0.0) + storage.nbytes() / 2**30
+
+    params = [p for m in modules for p in m.parameters()]
+    for m in modules:
+        for t in (*m.parameters(), *m.buffers()):
+            add("weights", t)
+    for p in params:
+        add("grads", p.grad)
+        add("grads", getattr(p, "main_grad", None))
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                add("master_weights", p)
+                add("grads", p.grad)  # a master copy's own (fp32) gradient
+        for state in opt.state.values():
+            for v in state.values():
+                add("optimizer_state", v)
+    for name, t in named.items():
+        add(name, t)
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no proxy's __class__ is read
+            add("other", obj)
+    if device.type == "cuda":
+        stats = {"allocated": torch.cuda.memory_allocated(device) / 2**30,
+                 "reserved": torch.cuda.memory_reserved(device) / 2**30,
+                 "peak": torch.cuda.max_memory_allocated(device) / 2**30}
+        stats["unseen"] = max(0.0, stats["allocated"] - sum(out.values()))
+        out.update(stats)
+    return out
+
+
+def learner_memory(learner: object, named: dict[str, torch.Tensor | None] | None = None) -> dict[str, float]:
+    """:func:`memory_breakdown` of a torch or Megatron learner (its model, reference model and
+    optimizer) on its device, plus ``named`` tensors its actor holds (the refit buffer)."""
+    modules = [m for m in (getattr(learner, "model", None), getattr(learner, "ref_model", None))
+               if isinstance(m, torch.nn.Module)]
+    device = torch.device(getattr(learner, "device", "cpu"))
+    return memory_breakdown(modules, getattr(learner, "optimizer", None), dict(named or {}), device)

@@ -35,11 +35,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentrl.packing import PackedBatch
+from agentrl.packing import PackedBatch, to_device
 
 __all__ = [
     "PACKED_ATTENTION",
     "chunked_logprobs",
+    "document_block_mask",
     "enable_packed_attention",
     "packed_token_logprobs",
     "padded_token_logprobs",
@@ -249,6 +250,20 @@ def _packed_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
+def document_block_mask(batch: PackedBatch) -> Any:
+    """FlexAttention ``BlockMask`` of ``batch``'s document-causal attention, on its device.
+
+    Built from the boundaries kept on the host (no dense mask evaluated, no read back from the
+    GPU): tiles inside one document skip the mask function, tiles across a boundary apply it,
+    tiles of two documents are never visited."""
+    from agentrl.learners.megatron.cp_attention import document_causal_block_mask
+
+    total = batch.input_ids.shape[1]
+    dev = batch.input_ids.device
+    q_global = torch.arange(total, device=dev, dtype=torch.int32)
+    return document_causal_block_mask(batch.document_starts().to(torch.int32), q_global, total)
+
+
 def enable_packed_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the :data:`PACKED_ATTENTION` implementation (idempotent).
 
@@ -302,17 +317,34 @@ def _device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+FUSED_HEAD = True
+"""On a GPU with bf16/fp16 weights, score tokens with the Megatron learner's compiled head
+(:func:`agentrl.learners.megatron.logprobs.vocab_parallel_logprobs` with ``fused=True``): the
+float32 ``[chunk, vocab]`` logits and their elementwise passes stay in registers instead of memory
+(those passes were among the longest kernels of the torch learner's step at 1.5B on the H100:
+bench/RESULTS.md, eleventh session). False: :func:`chunked_logprobs` everywhere."""
+
+
+def _fused_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:
+    return FUSED_HEAD and hidden.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+
+
 def _scores_at(
     hidden: torch.Tensor,
     input_ids: torch.Tensor,
-    keep: torch.Tensor,
+    where: torch.Tensor,
     weight: torch.Tensor,
     **kw: Any,
 ) -> torch.Tensor:
-    # hidden [M, H], input_ids [M] (or [M, K]), keep [M] bool (never True at 0):
-    # out[p] = log p(ids[p] | hidden[p-1]); 0 where keep is False.
-    where = keep.nonzero()[:, 0]
-    scores = chunked_logprobs(hidden[where - 1], weight, input_ids[where], **kw)
+    # hidden [M, H], input_ids [M] (or [M, K]), where [K] long positions to score (never 0):
+    # out[p] = log p(ids[p] | hidden[p-1]) at those positions, 0 elsewhere.
+    h, targets = hidden[where - 1], input_ids[where]
+    if targets.dim() == 1 and _fused_head(h, weight):
+        from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
+
+        scores = vocab_parallel_logprobs(h, weight, targets, fused=True, **kw)
+    else:
+        scores = chunked_logprobs(h, weight, targets, **kw)
     out = torch.zeros(input_ids.shape, dtype=scores.dtype, device=scores.device)
     return out.index_put((where,), scores)
 
@@ -346,19 +378,23 @@ def packed_token_logprobs(
     """
     enable_packed_attention(model)
     device = _device(model)
-    batch = batch.to(device)
+    weight = _lm_head_weight(model)
+    if vocab_limit is not None and vocab_limit < weight.shape[0]:
+        # checked where the batch is given: on the host (the learners' case) it costs no GPU wait
+        top = max(int(batch.input_ids.max()) if batch.input_ids.numel() else 0,
+                  int(extra_ids.max()) if extra_ids is not None and extra_ids.numel() else 0)
+        if top >= vocab_limit:
+            raise ValueError(f"token id {top} is past vocab_limit {vocab_limit} "
+                             "(model.tokenizer_vocab_only: the policy has no such id)")
+        weight = weight[:vocab_limit]  # the rows past it: no logit, probability 0
+    # One asynchronous copy per tensor, and the masks built on the host from the lengths: nothing
+    # in this function makes the host wait for the GPU, so it queues the next kernels ahead.
+    batch = batch.to(device, non_blocking=True)
     total = batch.input_ids.shape[1]
     if total == 0:
         return torch.zeros(0, device=device)
     if device.type == "cuda":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        doc = batch.document_ids()
-
-        def document_causal(b: Any, h: Any, q: Any, kv: Any) -> Any:
-            return (doc[q] == doc[kv]) & (q >= kv)
-
-        mask = create_block_mask(document_causal, None, None, total, total, device=device)
+        mask = document_block_mask(batch)
         extra: dict[str, Any] = {}
     else:
         mask = None
@@ -383,21 +419,14 @@ def packed_token_logprobs(
         ).last_hidden_state[0]  # [T, H]
     finally:
         _IN_PACKED_CALL.reset(token)
-    keep = batch.real_mask()[0] & (batch.position_ids[0] > 0)
     ids = batch.input_ids[0]
     if extra_ids is not None:
-        extra_ids = extra_ids.reshape(total, -1).to(device=device, dtype=torch.long)
+        extra_ids = to_device(extra_ids.reshape(total, -1).long(), device)
         ids = torch.cat([ids[:, None], extra_ids], dim=1)  # [T, 1 + K]
-    weight = _lm_head_weight(model)
-    if vocab_limit is not None and vocab_limit < weight.shape[0]:
-        if int(ids.max()) >= vocab_limit:
-            raise ValueError(f"token id {int(ids.max())} is past vocab_limit {vocab_limit} "
-                             "(model.tokenizer_vocab_only: the policy has no such id)")
-        weight = weight[:vocab_limit]  # the rows past it: no logit, probability 0
     scores = _scores_at(
         hidden,
         ids,
-        keep,
+        batch.scored_positions(),
         weight,
         temperature=temperature,
         chunk_size=chunk_size,
@@ -442,7 +471,7 @@ def padded_token_logprobs(
     scores = _scores_at(
         hidden.reshape(-1, hidden.shape[-1]),
         ids.reshape(-1),
-        keep,
+        keep.nonzero()[:, 0],
         _lm_head_weight(model),
         temperature=temperature,
         chunk_size=chunk_size,

@@ -78,7 +78,7 @@ class TorchLearner:
     def _logprobs(self, model: torch.nn.Module, packed, *, top_k: bool = False) -> Any:
         """Logprobs of the packed tokens; ``top_k`` (dense distillation): also of the teacher's
         top-k ids at every position, ``(logprobs [T], top_k [T, k])`` from one forward."""
-        packed = packed.to(self.device)
+        # the batch as given (on the host: the vocabulary check costs no GPU wait; it moves it)
         return packed_token_logprobs(
             model, packed, temperature=self.temperature, chunk_size=self.cfg.packing.logprob_chunk_size,
             extra_ids=packed.fields["teacher_top_ids"] if top_k else None, vocab_limit=self.vocab_limit,
@@ -108,7 +108,10 @@ class TorchLearner:
         t2 = time.perf_counter()
 
         self.optimizer.zero_grad(set_to_none=True)
-        per_mb, total_loss = [], 0.0
+        # Nothing in this loop reads a value back from the GPU (the loss is summed on the device,
+        # copies to it are asynchronous), so the host queues micro-batch i+1 while the GPU runs i.
+        per_mb: list[tuple[dict[str, torch.Tensor], float]] = []
+        losses: list[torch.Tensor] = []
         for packed, ref_lp in zip(packs, refs):
             top_lp = None
             if dense:
@@ -120,22 +123,22 @@ class TorchLearner:
             # a separate no-grad pass would repeat the same forward (test_torch_learner.py).
             prox_lp = logp.detach() if cfg.loss.proximal == "recompute" else None
             loss, metrics = microbatch_loss(
-                logp, prox_lp, packed.to(self.device), cfg.loss,
+                logp, prox_lp, packed.to(self.device, non_blocking=True), cfg.loss,
                 num_tokens=num_tokens, num_sequences=num_sequences, ref_logprobs=ref_lp,
                 top_k_logprobs=top_lp, distill_coef=cfg.distill.coef, distill_direction=cfg.distill.top_k_direction,
             )
             loss.backward()
-            total_loss += float(loss.detach())
-            per_mb.append((metrics, float(packed.fields["loss_mask"].sum())))
+            losses.append(loss.detach())
+            per_mb.append((metrics, float(packed.fields["loss_mask"].sum())))  # a host tensor
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.grad_clip)
         stepped = bool(samples)  # with no signal AdamW would still move the weights on its momentum
         if stepped:
             self.optimizer.step()
         self.version += 1
         t3 = time.perf_counter()
-        out = merge_metrics(per_mb)
+        out = merge_metrics(per_mb)  # the step's one wait for the GPU
         out.update({
-            "train/loss": total_loss,
+            "train/loss": float(torch.stack(losses).sum()) if losses else 0.0,
             "train/grad_norm": float(grad_norm),
             "train/num_sequences": num_sequences,
             "train/num_sequences_trained": float(len(samples)),

@@ -119,6 +119,11 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
         traceback.print_exc()
     finally:
         sampler.stop()
+        try:  # what the learner holds, by holder, and its allocator's peak (the memory goal's profile)
+            res.extra["learner_memory_gib"] = {k: round(v, 3) for k, v in ray.get(
+                trainer.learner.memory_report.remote(), timeout=120).items()}
+        except Exception as exc:  # noqa: BLE001 - a failed run may have no learner left to ask
+            res.extra["learner_memory_gib"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         trainer.shutdown()
         ray.shutdown()
     if rows:

@@ -45,6 +45,7 @@ from agentrl.learners.megatron.parallel import (
 from agentrl.learners.megatron.weights import gather_hf_weights, load_hf_weights, read_hf_state_dict
 from agentrl.models import tokenizer_vocab_limit, torch_dtype
 from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, padded_length, unpack
+from agentrl.packing import to_device as _to_device
 
 if TYPE_CHECKING:
     from agentrl.config import Config
@@ -72,16 +73,6 @@ class _MicroBatch:
     weight: float = 0.0  # trained tokens (loss mask sum), counted on the host
     dummy: bool = False
     ref: torch.Tensor | None = None
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host -> device without a stream sync: pinned memory and an asynchronous copy on CUDA.
-
-    A plain ``.to("cuda")`` of pageable memory waits for the stream to drain, so every micro-batch
-    built while the GPU works (or any such copy inside the loss) would leave the GPU idle."""
-    if device.type != "cuda" or t.is_cuda:
-        return t.to(device)
-    return t.pin_memory().to(device, non_blocking=True)
 
 
 class MegatronLearner:
