@@ -26,6 +26,8 @@
 #   bash bench/device_lora.sh ls          # one learner step at 1.5B, profiled: full fine-tuning, LoRA
 #                                         # fused with autograd's backward, LoRA fused forward and backward
 #                                         # (tools/learner_step.py; ~4 min a variant: LS_VARIANTS picks)
+#   bash bench/device_lora.sh check       # the torch learner's GPU tests (the sync-free micro-batch, the
+#                                         # fused head, a train step on the GPU vs the CPU): run first
 #   bash bench/device_lora.sh tests       # the CPU LoRA tests on the GPU's engine (optional)
 # Everything lands in $OUT (lora_a.json, lora_b.json, logs). A_ARGS / B_ARGS: extra bench options.
 set -o pipefail
@@ -53,9 +55,11 @@ for step in "$@"; do
     ls) timeout -k 20 "${LS_TIMEOUT:-500}" python3 tools/learner_step.py --variants "${LS_VARIANTS:-torch_full,torch_lora_autograd,torch_lora}" \
          --workdir /tmp/learner_step --out "$OUT/learner_step_lora.json" 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/learner_step_lora.log" || rc=1 ;;
+    check) timeout -k 20 "${C_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_torch_learner.py \
+         tests/test_hf_forward.py tests/test_packing.py 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/lora_check.log" || rc=1 ;;
     tests) timeout -k 20 "${T_TIMEOUT:-400}" python3 -m pytest -q -x -s -p no:cacheprovider tests/test_lora.py 2>&1 \
          | grep -v "Warning\|warn(" | tee "$OUT/lora_tests.log" || rc=1 ;;
-    *) echo "device_lora: unknown step '$step' (install | a | b | b7 | ls | tests)"; rc=2 ;;
+    *) echo "device_lora: unknown step '$step' (install | a | b | b7 | ls | check | tests)"; rc=2 ;;
   esac
   # anything a killed run left on the GPU would skew the next part (bracketed: never this script)
   for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done
