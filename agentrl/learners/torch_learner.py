@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.profiler import record_function
 
 from agentrl.learners.common import (
     build_samples,
@@ -110,35 +111,43 @@ class TorchLearner:
         self.optimizer.zero_grad(set_to_none=True)
         # Nothing in this loop reads a value back from the GPU (the loss is summed on the device,
         # copies to it are asynchronous), so the host queues micro-batch i+1 while the GPU runs i.
+        # The ranges are those of the Megatron learner (tools/learner_step.py reads them).
         per_mb: list[tuple[dict[str, torch.Tensor], float]] = []
         losses: list[torch.Tensor] = []
-        for packed, ref_lp in zip(packs, refs):
-            top_lp = None
-            if dense:
-                logp, top_lp = self._logprobs(self.model, packed, top_k=True)
-            else:
-                logp = self._logprobs(self.model, packed)
-            # One optimizer step per batch: the weights before the step (pi_prox under "recompute")
-            # are the weights of this pass, so its own logprobs, detached, are the proximal ones;
-            # a separate no-grad pass would repeat the same forward (test_torch_learner.py).
-            prox_lp = logp.detach() if cfg.loss.proximal == "recompute" else None
-            loss, metrics = microbatch_loss(
-                logp, prox_lp, packed.to(self.device, non_blocking=True), cfg.loss,
-                num_tokens=num_tokens, num_sequences=num_sequences, ref_logprobs=ref_lp,
-                top_k_logprobs=top_lp, distill_coef=cfg.distill.coef, distill_direction=cfg.distill.top_k_direction,
-            )
-            loss.backward()
-            losses.append(loss.detach())
-            per_mb.append((metrics, float(packed.fields["loss_mask"].sum())))  # a host tensor
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.grad_clip)
-        stepped = bool(samples)  # with no signal AdamW would still move the weights on its momentum
-        if stepped:
-            self.optimizer.step()
+        with record_function("agentrl.forward_backward"):
+            for packed, ref_lp in zip(packs, refs):
+                with record_function("agentrl.microbatch"):
+                    on_device = packed.to(self.device, non_blocking=True)
+                top_lp = None
+                if dense:
+                    logp, top_lp = self._logprobs(self.model, packed, top_k=True)
+                else:
+                    logp = self._logprobs(self.model, packed)
+                # One optimizer step per batch: the weights before the step (pi_prox under "recompute")
+                # are the weights of this pass, so its own logprobs, detached, are the proximal ones;
+                # a separate no-grad pass would repeat the same forward (test_torch_learner.py).
+                prox_lp = logp.detach() if cfg.loss.proximal == "recompute" else None
+                with record_function("agentrl.loss"):
+                    loss, metrics = microbatch_loss(
+                        logp, prox_lp, on_device, cfg.loss,
+                        num_tokens=num_tokens, num_sequences=num_sequences, ref_logprobs=ref_lp, top_k_logprobs=top_lp,
+                        distill_coef=cfg.distill.coef, distill_direction=cfg.distill.top_k_direction,
+                    )
+                loss.backward()
+                losses.append(loss.detach())
+                per_mb.append((metrics, float(packed.fields["loss_mask"].sum())))  # a host tensor
+        with record_function("agentrl.optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.grad_clip)
+            stepped = bool(samples)  # with no signal AdamW would still move the weights on its momentum
+            if stepped:
+                self.optimizer.step()
         self.version += 1
-        t3 = time.perf_counter()
-        out = merge_metrics(per_mb)  # the step's one wait for the GPU
+        with record_function("agentrl.metrics"):
+            out = merge_metrics(per_mb)  # the step's one wait for the GPU
+            loss_sum = float(torch.stack(losses).sum()) if losses else 0.0
+        t3 = time.perf_counter()  # after the wait: the GPU's work of the step is done
         out.update({
-            "train/loss": float(torch.stack(losses).sum()) if losses else 0.0,
+            "train/loss": loss_sum,
             "train/grad_norm": float(grad_norm),
             "train/num_sequences": num_sequences,
             "train/num_sequences_trained": float(len(samples)),
