@@ -64,13 +64,21 @@ async def idle_agent(client, task):
     return 1.0
 
 
+def _write_marker(path: str, text: str) -> None:
+    # whole or absent: the test polls for the file and reads it at once (a plain write_text was
+    # once seen empty there, the suite's JSONDecodeError of 2026-11-28)
+    tmp = f"{path}.tmp"
+    Path(tmp).write_text(text)
+    os.replace(tmp, path)
+
+
 async def hanging_agent(client, task):
     """One request, then waits forever; writes its pid and key to task["marker"] when cancelled."""
     await client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
     try:
         await asyncio.sleep(3600)
     except asyncio.CancelledError:
-        Path(task["marker"]).write_text(json.dumps({"pid": os.getpid(), "key": client.api_key}))
+        _write_marker(task["marker"], json.dumps({"pid": os.getpid(), "key": client.api_key}))
         raise
 
 
@@ -87,13 +95,13 @@ async def crashing_agent(client, task):
 
 
 def sync_hang(client, task):
-    Path(task["marker"]).write_text(str(os.getpid()))
+    _write_marker(task["marker"], str(os.getpid()))
     time.sleep(3600)
 
 
 async def blocking_async_agent(client, task):
     """Blocks its worker's event loop (a user's bug): only the parent-death signal can stop it."""
-    Path(task["marker"]).write_text(str(os.getpid()))
+    _write_marker(task["marker"], str(os.getpid()))
     time.sleep(3600)
 
 

@@ -220,8 +220,11 @@ def memory_breakdown(
     def add(kind: str, t: object) -> None:
         if not isinstance(t, torch.Tensor) or t.device != device:
             return
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+        except (RuntimeError, NotImplementedError):  # no memory of its own: a FakeTensor that torch.compile left
+            return
         if ptr and ptr not in seen:
             seen.add(ptr)
             out[kind] = out.get(kind, 0.0) + storage.nbytes() / 2**30
