@@ -227,6 +227,8 @@ def test_host_built_masks_equal_the_device_formulas(case, pad_multiple):
         assert torch.equal(b.scored_positions(), (real & (pos > 0)).nonzero()[:, 0])
         assert [t.tolist() for t in unpack(b.input_ids, b)] == seqs
     assert torch.equal(moved.fields["adv"], batch.fields["adv"]) and moved.seq_lens == batch.seq_lens
+    bare_copy = batch.to("cpu", with_fields=False)
+    assert bare_copy.fields == {} and torch.equal(bare_copy.input_ids, batch.input_ids)
 
 
 @pytest.mark.gpu

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentrl.packing import PackedBatch, to_device
+from agentrl.packed import PackedBatch, to_device
 
 __all__ = [
     "PACKED_ATTENTION",
@@ -389,7 +389,7 @@ def packed_token_logprobs(
         weight = weight[:vocab_limit]  # the rows past it: no logit, probability 0
     # One asynchronous copy per tensor, and the masks built on the host from the lengths: nothing
     # in this function makes the host wait for the GPU, so it queues the next kernels ahead.
-    batch = batch.to(device, non_blocking=True)
+    batch = batch.to(device, non_blocking=True, with_fields=False)  # the loss moves the fields it needs
     total = batch.input_ids.shape[1]
     if total == 0:
         return torch.zeros(0, device=device)
