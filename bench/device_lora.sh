@@ -25,7 +25,8 @@
 #   B_ARGS="--learners torch_lora_merged,torch_full --e2e-seconds 90 --e2e-placement split --engine-mem 0.2" bash bench/device_lora.sh b
 #   bash bench/device_lora.sh ls          # one learner step at 1.5B, profiled: full fine-tuning, LoRA
 #                                         # fused with autograd's backward, LoRA fused forward and backward
-#                                         # (tools/learner_step.py; ~4 min a variant: LS_VARIANTS picks)
+#                                         # (tools/learner_step.py; ~4 min a variant: LS_VARIANTS picks;
+#                                         # LS_ARGS="--steps 3 --profile-steps 1": two variants in ~4.5 min)
 #   bash bench/device_lora.sh check       # the torch learner's GPU tests (the sync-free micro-batch, the
 #                                         # fused head, a train step on the GPU vs the CPU): run first
 #   bash bench/device_lora.sh tests       # the CPU LoRA tests on the GPU's engine (optional)
@@ -53,7 +54,7 @@ for step in "$@"; do
          --learners torch_full,torch_lora_merged,torch_lora ${B_ARGS:-} 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/lora_b7.log" || rc=1 ;;
     ls) timeout -k 20 "${LS_TIMEOUT:-500}" python3 tools/learner_step.py --variants "${LS_VARIANTS:-torch_full,torch_lora_autograd,torch_lora}" \
-         --workdir /tmp/learner_step --out "$OUT/learner_step_lora.json" 2>&1 \
+         --workdir /tmp/learner_step --out "$OUT/learner_step_lora.json" ${LS_ARGS:-} 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/learner_step_lora.log" || rc=1 ;;
     check) timeout -k 20 "${C_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_torch_learner.py \
          tests/test_hf_forward.py tests/test_packing.py 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/lora_check.log" || rc=1 ;;

@@ -6,6 +6,7 @@ checked here through a real episode loop."""
 from __future__ import annotations
 
 import json
+import types
 
 import anyio
 import gymnasium
@@ -159,3 +160,61 @@ def test_agentrl_runner_samples_the_tokenizers_ids_as_verl_does(tmp_path):
     for setting in ("recommended", "like", "memory"):
         ovr = run_agentrl.overrides(args, WORKLOADS["multi"], str(tmp_path / "model"), str(tmp_path / "t.json"), setting)
         assert load_config(root / "configs" / "gpu_1x.yaml", ovr).model.tokenizer_vocab_only is True
+
+
+class _FakeNvml:
+    """NVML's answers over time: a device total and its processes (pid, bytes), one tuple a tick."""
+
+    def __init__(self, ticks):
+        self.ticks, self.i = ticks, 0
+
+    def _now(self):  # the tick the utilization call (the first of each sample) moved to
+        return self.ticks[min(self.i - 1, len(self.ticks) - 1)]
+
+    def nvmlDeviceGetUtilizationRates(self, handle):
+        self.i += 1
+        return types.SimpleNamespace(gpu=50)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return types.SimpleNamespace(used=self._now()[0] * 2**30)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        return [types.SimpleNamespace(pid=pid, usedGpuMemory=gib * 2**30) for pid, gib in self._now()[1]]
+
+
+def test_gpu_sampler_keeps_each_processs_peak_and_the_split_at_the_devices_peak():
+    import os
+    import time
+
+    from bench.peers.common import GpuSampler
+
+    me, gone = os.getpid(), 2**22 + 7  # this process, and a pid no process has
+    ticks = [(10, [(me, 4), (gone, 6)]), (30, [(me, 20), (gone, 10)])] + [(25, [(me, 5), (gone, 20)])] * 20
+    sampler = GpuSampler()
+    sampler._nvml, sampler._handle = _FakeNvml(ticks), None
+    sampler.start()
+    deadline = time.monotonic() + 20
+    while sampler._nvml.i < len(ticks) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    sampler.stop()
+    out = sampler.processes()
+    mine = next(k for k in out["peak"] if k.endswith(f"({me})"))
+    other = f"pid {gone}"  # no /proc entry: named by its pid alone
+    assert set(out["peak"]) == {mine, other}
+    assert "python" in mine or "pytest" in mine
+    assert out["peak"][mine] == 20 and out["peak"][other] == 20  # each one's own highest, at different times
+    assert out["at_device_peak"] == {mine: 20, other: 10}  # the split when the total was highest (30)
+    assert sampler.peak_gib() == 30
+
+
+def test_close_result_keeps_the_process_split_only_where_nvml_listed_processes():
+    from bench.peers.common import GpuSampler, Result, close_result
+
+    quiet = GpuSampler()
+    quiet._nvml = None
+    res = close_result(Result(system="agentrl", setting="memory", workload="multi", steps=1), quiet, None, 1)
+    assert "gpu_processes_gib" not in res.extra
+    quiet.process_peak_gib, quiet.at_peak = {"VLLM::EngineCore (7)": 42.0}, {"VLLM::EngineCore (7)": 41.5}
+    res = close_result(Result(system="agentrl", setting="memory", workload="multi", steps=1), quiet, None, 1)
+    assert res.extra["gpu_processes_gib"] == {"peak": {"VLLM::EngineCore (7)": 42.0},
+                                             "at_device_peak": {"VLLM::EngineCore (7)": 41.5}}

@@ -3,6 +3,7 @@ packing module, and the loss on a packed micro-batch (packing undone around the 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -207,8 +208,9 @@ def memory_breakdown(
     (e.g. the refit buffer), ``other`` (any other live tensor: caches, buffers of libraries).
     A storage is counted once, under the first of these that holds it (a view counts its whole
     storage: Megatron's parameters and gradients live in contiguous buffers). On a GPU also
-    ``allocated``, ``reserved`` and ``peak`` (PyTorch's allocator) and ``unseen`` (allocated but
-    held by no Python tensor: autograd's saved tensors, CUDA graph pools, C++ caches).
+    ``allocated``, ``reserved``, ``peak`` and ``peak_reserved`` (PyTorch's allocator), ``unseen``
+    (allocated but held by no Python tensor: autograd's saved tensors, CUDA graph pools, C++ caches)
+    and, where NVML lists processes, ``process`` (what the driver counts for this process).
     """
     import gc
 
@@ -252,10 +254,28 @@ def memory_breakdown(
     if device.type == "cuda":
         stats = {"allocated": torch.cuda.memory_allocated(device) / 2**30,
                  "reserved": torch.cuda.memory_reserved(device) / 2**30,
-                 "peak": torch.cuda.max_memory_allocated(device) / 2**30}
+                 "peak": torch.cuda.max_memory_allocated(device) / 2**30,
+                 "peak_reserved": torch.cuda.max_memory_reserved(device) / 2**30}
         stats["unseen"] = max(0.0, stats["allocated"] - sum(out.values()))
+        process = gpu_memory_by_process(device.index or 0).get(os.getpid())
+        if process is not None:  # the driver's count: the allocator's reserve plus the CUDA context, NCCL, cuBLAS
+            stats["process"] = process
         out.update(stats)
     return out
+
+
+def gpu_memory_by_process(index: int = 0) -> dict[int, float]:
+    """GiB of GPU ``index`` each process uses, by pid, as the driver counts it (NVML); empty where
+    NVML is missing or does not list processes (no GPU, a sandbox that hides them)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:  # noqa: BLE001 - NVML absent or refusing: nothing to report, nothing lost
+        return {}
+    return {p.pid: (p.usedGpuMemory or 0) / 2**30 for p in procs}
 
 
 def learner_memory(learner: object, named: dict[str, torch.Tensor | None] | None = None) -> dict[str, float]:

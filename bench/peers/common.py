@@ -19,6 +19,7 @@ with a fixed text of `obs_tokens` tokens.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -188,6 +189,11 @@ class GpuSampler:
     def __init__(self) -> None:
         self.util: list[tuple[float, float]] = []
         self.used_gib: list[tuple[float, float]] = []
+        self.process_peak_gib: dict[str, float] = {}
+        """Each GPU process's largest use over the run (NVML), by :func:`process_label`."""
+        self.at_peak: dict[str, float] = {}
+        """The processes' use in the process sample taken when the device's total was highest."""
+        self._labels: dict[int, str] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         try:
@@ -199,10 +205,33 @@ class GpuSampler:
             self._nvml = None
 
     def _run(self) -> None:
-        while not self._stop.wait(0.1):
+        best = 0.0
+        for tick in itertools.count():
+            if self._stop.wait(0.1):
+                break
             t = time.perf_counter()
             self.util.append((t, self._nvml.nvmlDeviceGetUtilizationRates(self._handle).gpu / 100.0))
-            self.used_gib.append((t, self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**30))
+            used = self._nvml.nvmlDeviceGetMemoryInfo(self._handle).used / 2**30
+            self.used_gib.append((t, used))
+            if tick % 5 == 0 or used > best:  # processes every 0.5 s, and at every new peak of the total
+                self._sample_processes(at_peak=used > best)
+                best = max(best, used)
+
+    def _sample_processes(self, at_peak: bool) -> None:
+        try:
+            procs = self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle)
+        except Exception:  # noqa: BLE001 - a driver that lists no processes: totals only
+            return
+        now: dict[str, float] = {}
+        for p in procs:
+            if p.pid not in self._labels:
+                self._labels[p.pid] = process_label(p.pid)
+            label = self._labels[p.pid]
+            now[label] = now.get(label, 0.0) + (p.usedGpuMemory or 0) / 2**30
+        for label, gib in now.items():
+            self.process_peak_gib[label] = max(gib, self.process_peak_gib.get(label, 0.0))
+        if at_peak:
+            self.at_peak = now
 
     def start(self) -> GpuSampler:
         if self._nvml is not None:
@@ -221,6 +250,27 @@ class GpuSampler:
 
     def peak_gib(self) -> float | None:
         return max((u for _, u in self.used_gib), default=None)
+
+    def processes(self) -> dict[str, dict[str, float]]:
+        """What :class:`Result` keeps in ``extra["gpu_processes_gib"]``: each process's peak and
+        the split of the device's highest total among processes."""
+        return {"peak": {k: round(v, 3) for k, v in sorted(self.process_peak_gib.items())},
+                "at_device_peak": {k: round(v, 3) for k, v in sorted(self.at_peak.items())}}
+
+
+def process_label(pid: int) -> str:
+    """A process's name for the memory table: its command line's first words (Ray and vLLM set
+    titles such as ``ray::MegatronLearnerActor`` and ``VLLM::EngineCore``), and its pid."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            words = f.read().replace(b"\0", b" ").decode(errors="replace").split()
+    except OSError:  # gone, or another pid namespace (a container): the pid alone
+        return f"pid {pid}"
+    if not words:
+        return f"pid {pid}"
+    head = words[0] if words[0].startswith(("ray::", "VLLM")) else " ".join(
+        [os.path.basename(words[0]), *[w for w in words[1:3] if not w.startswith("-")]])
+    return f"{head[:60]} ({pid})"
 
 
 @dataclass
@@ -321,6 +371,8 @@ def close_result(res: Result, sampler: Any, busy_from: float | None, wanted_step
     if busy_from is not None:
         res.gpu_busy = sampler.busy(busy_from)
     res.peak_gpu_gib = sampler.peak_gib()
+    if sampler.process_peak_gib:  # who held the memory (the peak-memory goal's profile)
+        res.extra["gpu_processes_gib"] = sampler.processes()
     if res.status == "ok" and res.steps < wanted_steps:
         res.status, res.reason = "error", f"only {res.steps} timed steps ran"
     return res
