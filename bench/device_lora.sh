@@ -27,7 +27,7 @@
 #                                         # fused with autograd's backward, LoRA fused forward and backward
 #                                         # (tools/learner_step.py; ~4 min a variant: LS_VARIANTS picks;
 #                                         # LS_ARGS="--steps 3 --profile-steps 1": two variants in ~4.5 min)
-#   bash bench/device_lora.sh check       # the torch learner's GPU tests (the sync-free micro-batch, the
+#   bash bench/device_lora.sh check       # the torch learner's GPU tests (the sync-free micro-batch, the fused AdamW step, the
 #                                         # fused head, a train step on the GPU vs the CPU): run first
 #   bash bench/device_lora.sh tests       # the CPU LoRA tests on the GPU's engine (optional)
 # Everything lands in $OUT (lora_a.json, lora_b.json, logs). A_ARGS / B_ARGS: extra bench options.
@@ -56,7 +56,7 @@ for step in "$@"; do
     ls) timeout -k 20 "${LS_TIMEOUT:-500}" python3 tools/learner_step.py --variants "${LS_VARIANTS:-torch_full,torch_lora_autograd,torch_lora}" \
          --workdir /tmp/learner_step --out "$OUT/learner_step_lora.json" ${LS_ARGS:-} 2>&1 \
          | grep -v "Warning\|warn(\|it/s\]" | tee "$OUT/learner_step_lora.log" || rc=1 ;;
-    check) timeout -k 20 "${C_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_torch_learner.py \
+    check) timeout -k 20 "${C_TIMEOUT:-400}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_torch_learner.py tests/test_optim.py \
          tests/test_hf_forward.py tests/test_packing.py 2>&1 | grep -v "Warning\|warn(" | tee "$OUT/lora_check.log" || rc=1 ;;
     tests) timeout -k 20 "${T_TIMEOUT:-400}" python3 -m pytest -q -x -s -p no:cacheprovider tests/test_lora.py 2>&1 \
          | grep -v "Warning\|warn(" | tee "$OUT/lora_tests.log" || rc=1 ;;

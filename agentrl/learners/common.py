@@ -12,6 +12,7 @@ import torch
 from agentrl.advantages import trajectory_token_advantages
 from agentrl.distill import distill_token_advantages, top_k_kl
 from agentrl.losses import aggregate_token_losses, compute_policy_loss
+from agentrl.optim import torch_optimizers
 from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, unpack_padded
 
 if TYPE_CHECKING:
@@ -187,14 +188,6 @@ def merge_metrics(per_microbatch: list[tuple[dict[str, torch.Tensor], float]]) -
     return out
 
 
-def _torch_optimizers(opt: object) -> list[torch.optim.Optimizer]:
-    # a torch optimizer, or Megatron's wrappers around them (.optimizer, .chained_optimizers)
-    if opt is None:
-        return []
-    if isinstance(opt, torch.optim.Optimizer):
-        return [opt]
-    inner = list(getattr(opt, "chained_optimizers", None) or []) or [getattr(opt, "optimizer", None)]
-    return [o for x in inner if x is not opt for o in _torch_optimizers(x)]
 
 
 def memory_breakdown(
@@ -238,7 +231,7 @@ def memory_breakdown(
     for p in params:
         add("grads", p.grad)
         add("grads", getattr(p, "main_grad", None))
-    for opt in _torch_optimizers(optimizer):
+    for opt in torch_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:
                 add("master_weights", p)

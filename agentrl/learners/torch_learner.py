@@ -25,7 +25,7 @@ from agentrl.learners.common import (
 )
 from agentrl.learners.hf_forward import packed_token_logprobs
 from agentrl.models import copy_tokenizer_files, load_hf_model, tokenizer_vocab_limit  # load_hf_model: also public here, as before
-from agentrl.optim import adamw
+from agentrl.optim import adamw, fuse_adamw
 
 if TYPE_CHECKING:
     from agentrl.config import Config
@@ -258,6 +258,7 @@ class TorchLearner:
             self.model.load_state_dict(model.state_dict())
         state: dict[str, Any] = torch.load(state_file, weights_only=False)
         self.optimizer.load_state_dict(state["optimizer"])
+        fuse_adamw(self.optimizer)  # a checkpoint of the unfused optimizer (its flags came with it)
         self.version = int(state["version"])
         torch.set_rng_state(state["torch_rng"])
         random.setstate(state["python_rng"])

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.models import copy_tokenizer_files
+from agentrl.optim import fuse_adamw
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -113,6 +114,7 @@ def load_checkpoint(learner: Any, path: Path) -> None:
             opt._set_main_param_and_optimizer_states(by_name[name], tensors)
         if "param_state" in entry:
             opt._copy_main_params_to_model_params()
+    fuse_adamw(learner.optimizer)  # the loaded groups carry the saved flags; steps go to the GPU
     torch.set_rng_state(saved["torch_rng"])
     torch.cuda.set_rng_state(saved["cuda_rng"])
     random.setstate(saved["python_rng"])

@@ -109,6 +109,8 @@ def build_ddp_and_optimizer(model: torch.nn.Module, learner_cfg: Any) -> tuple[A
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from agentrl.optim import fuse_adamw
+
     mcfg = learner_cfg.megatron
     config = model.config
     ddp = DistributedDataParallel(
@@ -128,6 +130,7 @@ def build_ddp_and_optimizer(model: torch.nn.Module, learner_cfg: Any) -> tuple[A
         ),
         [ddp],
     )
+    fuse_adamw(opt)  # torch's AdamW (no TE/Apex here): the fused kernel, no parameter-sized temporary
     config.no_sync_func = ddp.no_sync
     if mcfg.overlap_grad_reduce:
         config.grad_sync_func = ddp.start_grad_sync
