@@ -154,6 +154,12 @@ class EngineActor(AsyncDiag):
             pynvml.nvmlShutdown()
         return {"used_gib": info.used / 2**30, "total_gib": info.total / 2**30}
 
+    async def memory_stats(self) -> list[dict[str, float]]:
+        """Each vLLM worker's GPU memory in GiB (allocator counters, the driver's count for its
+        process); empty dicts on CPU."""
+        await self._ready()
+        return await self.engine.memory_stats()
+
     def version(self) -> int:
         return self.engine.version
 

@@ -76,20 +76,28 @@ class LearnerActor(SyncDiag):
         Collective under Megatron: every rank calls it; other ranks return None."""
         import torch
 
+        from agentrl.learners.common import PEAKS
         from agentrl.refit import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
 
         export = self.learner.export_adapter if self.lora else self.learner.export_weights
         if transport == "object_store":
             return export()
         device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.merged:  # merged into the flat buffer itself: no merged copy of the model beside it
-            self._refit_buf, spec = self.learner.export_merged_flat(device)
-        else:
-            weights = export(device=device)
-            if self.rank != 0:
-                return None
-            self._refit_buf, spec = flatten_weights(weights)
-            del weights
+        if transport == "cuda_ipc" and not self.lora:
+            # The engines share this GPU: the blocks the step left cached go back to the device
+            # first, so the model-sized buffer takes their place instead of adding to them (the
+            # GPU's peak, engines included). release_refit empties the cache after the refit anyway,
+            # so the next step allocates the same as before.
+            torch.cuda.empty_cache()
+        with PEAKS.phase("refit_export"):
+            if self.merged:  # merged into the flat buffer itself: no merged copy of the model beside it
+                self._refit_buf, spec = self.learner.export_merged_flat(device)
+            else:
+                weights = export(device=device)
+                if self.rank != 0:
+                    return None
+                self._refit_buf, spec = flatten_weights(weights)
+                del weights
         if self._refit_buf.is_cuda:
             torch.cuda.synchronize()  # the buffer is complete before another process reads it
         handle = ipc_handle(self._refit_buf) if transport == "cuda_ipc" else None

@@ -122,6 +122,45 @@ def test_memory_breakdown_names_what_holds_the_learners_memory(tiny_model_dir):
     assert small["optimizer_state"] < 0.2 * mem["optimizer_state"] and small["grads"] < 0.2 * mem["grads"]
 
 
+def test_peaks_by_phase_are_a_no_op_without_cuda():
+    from agentrl.learners.common import PeakByPhase
+
+    peaks = PeakByPhase()
+    with peaks.phase("optimizer"):
+        x = torch.ones(1000)
+    assert x.sum() == 1000 and peaks.report() == {} and peaks.overall() == (0.0, 0.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_peaks_by_phase_keep_each_phases_own_peak_and_the_runs(tiny_model_dir):
+    from agentrl.learners.common import PEAKS, PeakByPhase, learner_memory
+
+    mib = 2**20
+    peaks = PeakByPhase()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated() / 2**30
+    with peaks.phase("big"):
+        big = torch.empty(512 * mib, dtype=torch.uint8, device="cuda")
+        del big
+    with peaks.phase("small"):
+        small = torch.empty(64 * mib, dtype=torch.uint8, device="cuda")
+        del small
+    rep = peaks.report()
+    assert abs(rep["peak_big"] - base - 0.5) < 0.01 and abs(rep["peak_small"] - base - 1 / 16) < 0.01
+    assert rep["peak_reserved_big"] >= rep["peak_big"]
+    assert peaks.overall()[0] >= rep["peak_big"]  # the run's peak survives the second phase's reset
+    # a learner's step reports its phases through the memory report
+    cfg = Config.model_validate({"model": {"path": tiny_model_dir, "dtype": "bfloat16"},
+                                 "learner": {"lr": 1e-3, "num_gpus": 1}})
+    learner = TorchLearner(cfg, device="cuda")
+    learner.train_step([_group([1.0, 0.0, 0.0, 1.0], 0)])
+    mem = learner_memory(learner)
+    assert {"peak_forward_backward", "peak_optimizer"} <= set(mem)
+    assert mem["peak"] >= max(mem["peak_forward_backward"], mem["peak_optimizer"]) >= mem["allocated"] > 0
+    assert PEAKS.allocated["optimizer"] == mem["peak_optimizer"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_train_step_on_the_gpu_matches_the_cpu_step(tiny_model_dir):

@@ -118,6 +118,11 @@ def check_hf(args: argparse.Namespace) -> dict:
     ref16 = hf_logprobs(model_dir, trajs, torch.bfloat16, temp)
     learner = MegatronLearner(cfg)
     mega = [torch.tensor(x) for x in learner.logprobs(trajs)]
+    from agentrl.optim import torch_optimizers
+
+    def fused() -> bool:  # every AdamW group on torch's fused kernel (agentrl.optim.fuse_adamw)
+        groups = [g for o in torch_optimizers(learner.optimizer) for g in o.param_groups]
+        return bool(groups) and all(g.get("fused") for g in groups)
 
     def err(a: list, b: list) -> tuple[float, float]:
         d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
@@ -137,7 +142,9 @@ def check_hf(args: argparse.Namespace) -> dict:
     learner.save(ck)
     m2 = learner.train_step(groups)
     lp2 = [torch.tensor(x) for x in learner.logprobs(trajs)]
+    res["optimizer_fused_built"] = fused()
     learner.load(ck)
+    res["optimizer_fused_loaded"] = fused()
     res["reload_max_diff"] = err([torch.tensor(x) for x in learner.logprobs(trajs)], lp1)[0]
     res["reload_version"] = learner.version
     m2_again = learner.train_step(groups)

@@ -467,6 +467,11 @@ class VLLMEngine:
         return list(await self.llm.collective_rpc(
             "agentrl_init_weight_group", args=(host, port, rank_offset, world_size, backend)))
 
+    async def memory_stats(self) -> list[dict[str, float]]:
+        """Each worker's GPU memory (GiB): allocator counters and the driver's count for its
+        process (:meth:`WeightSyncExtension.agentrl_memory_stats`); empty dicts on CPU."""
+        return list(await self.llm.collective_rpc("agentrl_memory_stats"))
+
     async def weight_checksum(self) -> float:
         return float((await self.llm.collective_rpc("agentrl_weight_checksum"))[0])
 

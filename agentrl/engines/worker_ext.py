@@ -199,6 +199,27 @@ class WeightSyncExtension:
         model.compute_logits = types.MethodType(compute_logits, model)
         return int(self.model_config.get_vocab_size())
 
+    def agentrl_memory_stats(self) -> dict[str, float]:
+        """GiB of this worker's GPU memory: its allocator (weights, KV cache, activations, CUDA
+        graph pools: ``allocated``, ``reserved``, ``peak``, ``peak_reserved``) and, where NVML lists
+        processes, the driver's count for this process (``process``: the reserve plus the CUDA
+        context, NCCL, cuBLAS workspaces); empty on CPU."""
+        import os
+
+        import torch
+
+        if not torch.cuda.is_available():
+            return {}
+        from agentrl.learners.common import gpu_memory_by_process
+
+        out = {"allocated": torch.cuda.memory_allocated() / 2**30, "reserved": torch.cuda.memory_reserved() / 2**30,
+               "peak": torch.cuda.max_memory_allocated() / 2**30,
+               "peak_reserved": torch.cuda.max_memory_reserved() / 2**30}
+        process = gpu_memory_by_process().get(os.getpid())  # one GPU per worker
+        if process is not None:
+            out["process"] = process
+        return out
+
     def agentrl_weight_checksum(self) -> float:
         """Sum of all parameters (a cheap check that a refit changed the weights)."""
         model = self.model_runner.get_model()

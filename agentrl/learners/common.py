@@ -4,7 +4,9 @@ packing module, and the loss on a packed micro-batch (packing undone around the 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from agentrl.trajectory import TrajectoryGroup
 
 __all__ = [
+    "PEAKS",
+    "PeakByPhase",
     "TrainSample",
     "build_samples",
     "global_counts",
@@ -190,6 +194,50 @@ def merge_metrics(per_microbatch: list[tuple[dict[str, torch.Tensor], float]]) -
 
 
 
+@dataclass
+class PeakByPhase:
+    """The CUDA allocator's peak by phase of a learner's work, kept over the whole run.
+
+    :meth:`phase` resets the allocator's peak counters on entry and reads them on exit, so each
+    phase's figure is its own (``forward_backward``, ``optimizer``, ``refit_export``, ...), and
+    the peak over the run is kept across the resets (:meth:`overall`). Host-side counters only:
+    nothing here waits for the GPU. A no-op without CUDA.
+    """
+
+    allocated: dict[str, float] = field(default_factory=dict)  # GiB, max over the run
+    reserved: dict[str, float] = field(default_factory=dict)
+    _before: tuple[float, float] = (0.0, 0.0)  # the run's peaks before the last reset
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            yield
+            return
+        self._before = self.overall()
+        torch.cuda.reset_peak_memory_stats()
+        try:
+            yield
+        finally:
+            a, r = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+            self.allocated[name] = max(self.allocated.get(name, 0.0), a)
+            self.reserved[name] = max(self.reserved.get(name, 0.0), r)
+
+    def overall(self) -> tuple[float, float]:
+        """(allocated, reserved) peak in GiB over the run, the phases' resets notwithstanding."""
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return self._before
+        return (max(self._before[0], torch.cuda.max_memory_allocated() / 2**30),
+                max(self._before[1], torch.cuda.max_memory_reserved() / 2**30))
+
+    def report(self) -> dict[str, float]:
+        """``peak_<phase>`` and ``peak_reserved_<phase>`` in GiB, for a memory report."""
+        return {**{f"peak_{k}": v for k, v in self.allocated.items()},
+                **{f"peak_reserved_{k}": v for k, v in self.reserved.items()}}
+
+
+PEAKS = PeakByPhase()  # one learner per process: its phases' peaks (learners and the learner actor)
+
+
 def memory_breakdown(
     modules: list[torch.nn.Module], optimizer: object, named: dict[str, torch.Tensor | None], device: torch.device,
 ) -> dict[str, float]:
@@ -203,7 +251,8 @@ def memory_breakdown(
     storage: Megatron's parameters and gradients live in contiguous buffers). On a GPU also
     ``allocated``, ``reserved``, ``peak`` and ``peak_reserved`` (PyTorch's allocator), ``unseen``
     (allocated but held by no Python tensor: autograd's saved tensors, CUDA graph pools, C++ caches)
-    and, where NVML lists processes, ``process`` (what the driver counts for this process).
+    and, where NVML lists processes, ``process`` (what the driver counts for this process);
+    ``peak_<phase>`` / ``peak_reserved_<phase>`` for each phase :data:`PEAKS` has seen.
     """
     import gc
 
@@ -245,30 +294,36 @@ def memory_breakdown(
         if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no proxy's __class__ is read
             add("other", obj)
     if device.type == "cuda":
+        peak, peak_reserved = PEAKS.overall()
         stats = {"allocated": torch.cuda.memory_allocated(device) / 2**30,
                  "reserved": torch.cuda.memory_reserved(device) / 2**30,
-                 "peak": torch.cuda.max_memory_allocated(device) / 2**30,
-                 "peak_reserved": torch.cuda.max_memory_reserved(device) / 2**30}
+                 "peak": max(peak, torch.cuda.max_memory_allocated(device) / 2**30),
+                 "peak_reserved": max(peak_reserved, torch.cuda.max_memory_reserved(device) / 2**30)}
         stats["unseen"] = max(0.0, stats["allocated"] - sum(out.values()))
-        process = gpu_memory_by_process(device.index or 0).get(os.getpid())
+        process = gpu_memory_by_process().get(os.getpid())  # one GPU per learner process
         if process is not None:  # the driver's count: the allocator's reserve plus the CUDA context, NCCL, cuBLAS
             stats["process"] = process
         out.update(stats)
+        out.update(PEAKS.report())
     return out
 
 
-def gpu_memory_by_process(index: int = 0) -> dict[int, float]:
-    """GiB of GPU ``index`` each process uses, by pid, as the driver counts it (NVML); empty where
-    NVML is missing or does not list processes (no GPU, a sandbox that hides them)."""
+def gpu_memory_by_process(index: int | None = None) -> dict[int, float]:
+    """GiB of GPU ``index`` (NVML's numbering; None: every GPU, summed) each process uses, by pid,
+    as the driver counts it; empty where NVML is missing or does not list processes (no GPU, a
+    sandbox that hides them)."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        procs = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+        indices = range(pynvml.nvmlDeviceGetCount()) if index is None else [index]
+        out: dict[int, float] = {}
+        for i in indices:
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
+                out[p.pid] = out.get(p.pid, 0.0) + (p.usedGpuMemory or 0) / 2**30
     except Exception:  # noqa: BLE001 - NVML absent or refusing: nothing to report, nothing lost
         return {}
-    return {p.pid: (p.usedGpuMemory or 0) / 2**30 for p in procs}
+    return out
 
 
 def learner_memory(learner: object, named: dict[str, torch.Tensor | None] | None = None) -> dict[str, float]:

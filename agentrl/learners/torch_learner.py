@@ -15,6 +15,7 @@ import torch
 from torch.profiler import record_function
 
 from agentrl.learners.common import (
+    PEAKS,
     build_samples,
     global_counts,
     merge_metrics,
@@ -114,7 +115,7 @@ class TorchLearner:
         # The ranges are those of the Megatron learner (tools/learner_step.py reads them).
         per_mb: list[tuple[dict[str, torch.Tensor], float]] = []
         losses: list[torch.Tensor] = []
-        with record_function("agentrl.forward_backward"):
+        with record_function("agentrl.forward_backward"), PEAKS.phase("forward_backward"):
             for packed, ref_lp in zip(packs, refs):
                 with record_function("agentrl.microbatch"):
                     on_device = packed.to(self.device, non_blocking=True)
@@ -136,7 +137,7 @@ class TorchLearner:
                 loss.backward()
                 losses.append(loss.detach())
                 per_mb.append((metrics, float(packed.fields["loss_mask"].sum())))  # a host tensor
-        with record_function("agentrl.optimizer"):
+        with record_function("agentrl.optimizer"), PEAKS.phase("optimizer"):
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.learner.grad_clip)
             stepped = bool(samples)  # with no signal AdamW would still move the weights on its momentum
             if stepped:

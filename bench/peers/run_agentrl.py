@@ -124,6 +124,11 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
                 trainer.learner.memory_report.remote(), timeout=120).items()}
         except Exception as exc:  # noqa: BLE001 - a failed run may have no learner left to ask
             res.extra["learner_memory_gib"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        try:  # each vLLM worker's allocator and process (the rest of the split by process)
+            res.extra["engine_memory_gib"] = [{k: round(v, 3) for k, v in w.items()} for e in trainer.engines
+                                              for w in ray.get(e.memory_stats.remote(), timeout=120)]
+        except Exception as exc:  # noqa: BLE001 - a failed run may have no engine left to ask
+            res.extra["engine_memory_gib"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         trainer.shutdown()
         ray.shutdown()
     if rows:

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.learners.common import (
+    PEAKS,
     TrainSample,
     build_samples,
     global_counts,
@@ -297,9 +298,9 @@ class MegatronLearner:
         # Longest micro-batch, from the plan (the schedule's p2p shapes; unused with one stage).
         pm = cfg.packing.pad_multiple
         longest = max((sum(padded_length(len(samples[i]), pm) for i in ix) for ix in plan), default=1) + self._pad_to
-        with record_function("agentrl.forward_backward"):
+        with record_function("agentrl.forward_backward"), PEAKS.phase("forward_backward"):
             store = self._run(self.ddp, mbs, loss_fn, forward_only=False, num_microbatches=len(plan), seq_length=longest)
-        with record_function("agentrl.optimizer"):
+        with record_function("agentrl.optimizer"), PEAKS.phase("optimizer"):
             _, grad_norm, _ = self.optimizer.step() if samples else (True, 0.0, None)
         self.version += 1
         t3 = time.perf_counter()
