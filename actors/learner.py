@@ -48,6 +48,9 @@ class LearnerActor(SyncDiag):
         self._idle_since: float | None = None  # end of the last call that used the learner
         self._current: tuple[str, float] | None = None
         self.learner = build_learner(cfg, model_path=model_path, **kwargs)
+        from agentrl.learners.common import PEAKS
+
+        PEAKS.note("built")  # the model and optimizer in place, before any step
 
     @_busy
     def train_step(self, groups) -> dict[str, float]:
@@ -129,6 +132,9 @@ class LearnerActor(SyncDiag):
         """Drop the refit buffer (after every engine has loaded from it)."""
         self._refit_buf = None
         self.free_memory()
+        from agentrl.learners.common import PEAKS
+
+        PEAKS.note("released")  # the buffer freed, the cache emptied: what stays outside the allocator
 
     def free_memory(self) -> dict[str, float]:
         """Return cached GPU memory to the device (colocated: the engine wakes next); GiB held."""

@@ -151,10 +151,12 @@ def test_peaks_by_phase_keep_each_phases_own_peak_and_the_runs(tiny_model_dir):
     assert rep["peak_reserved_big"] >= rep["peak_big"]
     assert peaks.overall()[0] >= rep["peak_big"]  # the run's peak survives the second phase's reset
     # a learner's step reports its phases through the memory report
-    cfg = Config.model_validate({"model": {"path": tiny_model_dir, "dtype": "bfloat16"},
+    # the configuration of test_a_train_step_on_the_gpu_matches_the_cpu_step's first GPU step (one
+    # group of 76 tokens in bf16 found no FlexAttention kernel to compile on the H200, 2026-11-28)
+    cfg = Config.model_validate({"model": {"path": tiny_model_dir, "dtype": "float32"},
                                  "learner": {"lr": 1e-3, "num_gpus": 1}})
     learner = TorchLearner(cfg, device="cuda")
-    learner.train_step([_group([1.0, 0.0, 0.0, 1.0], 0)])
+    learner.train_step([_group([1.0, 0.0, 0.0, 1.0], 0), _group([0.0, 1.0, 1.0, 0.0], 5)])
     mem = learner_memory(learner)
     assert {"peak_forward_backward", "peak_optimizer"} <= set(mem)
     assert mem["peak"] >= max(mem["peak_forward_backward"], mem["peak_optimizer"]) >= mem["allocated"] > 0

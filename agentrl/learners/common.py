@@ -202,10 +202,16 @@ class PeakByPhase:
     phase's figure is its own (``forward_backward``, ``optimizer``, ``refit_export``, ...), and
     the peak over the run is kept across the resets (:meth:`overall`). Host-side counters only:
     nothing here waits for the GPU. A no-op without CUDA.
+
+    ``outside`` is what the driver counts for this process beyond the allocator's reserve (the
+    CUDA context, NCCL, cuBLAS workspaces, memory of other allocators), read through NVML at the
+    end of each phase and at each :meth:`note` (the largest over the run).
     """
 
     allocated: dict[str, float] = field(default_factory=dict)  # GiB, max over the run
     reserved: dict[str, float] = field(default_factory=dict)
+    outside: dict[str, float] = field(default_factory=dict)
+    last: dict[str, float] = field(default_factory=dict)  # each phase's allocator peak the last time it ran
     _before: tuple[float, float] = (0.0, 0.0)  # the run's peaks before the last reset
 
     @contextmanager
@@ -221,6 +227,18 @@ class PeakByPhase:
             a, r = torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
             self.allocated[name] = max(self.allocated.get(name, 0.0), a)
             self.reserved[name] = max(self.reserved.get(name, 0.0), r)
+            self.last[name] = a
+            self.note(name)
+
+    def note(self, name: str) -> None:
+        """Record ``outside_<name>``: the driver's count for this process now, less the allocator's
+        reserve (nothing where NVML does not list processes)."""
+        if not torch.cuda.is_available() or not torch.cuda.is_initialized():
+            return
+        process = gpu_memory_by_process().get(os.getpid())
+        if process is not None:
+            out = process - torch.cuda.memory_reserved() / 2**30
+            self.outside[name] = max(self.outside.get(name, float("-inf")), out)
 
     def overall(self) -> tuple[float, float]:
         """(allocated, reserved) peak in GiB over the run, the phases' resets notwithstanding."""
@@ -229,10 +247,16 @@ class PeakByPhase:
         return (max(self._before[0], torch.cuda.max_memory_allocated() / 2**30),
                 max(self._before[1], torch.cuda.max_memory_reserved() / 2**30))
 
+    def step_metrics(self, *names: str) -> dict[str, float]:
+        """``memory/peak_<phase>_gib`` of the last run of each of ``names`` (a step's metrics; empty
+        without CUDA)."""
+        return {f"memory/peak_{n}_gib": self.last[n] for n in names if n in self.last}
+
     def report(self) -> dict[str, float]:
-        """``peak_<phase>`` and ``peak_reserved_<phase>`` in GiB, for a memory report."""
+        """``peak_<phase>``, ``peak_reserved_<phase>`` and ``outside_<name>`` in GiB, for a memory report."""
         return {**{f"peak_{k}": v for k, v in self.allocated.items()},
-                **{f"peak_reserved_{k}": v for k, v in self.reserved.items()}}
+                **{f"peak_reserved_{k}": v for k, v in self.reserved.items()},
+                **{f"outside_{k}": v for k, v in self.outside.items()}}
 
 
 PEAKS = PeakByPhase()  # one learner per process: its phases' peaks (learners and the learner actor)

@@ -159,6 +159,7 @@ class TorchLearner:
             "timing/logprobs": t2 - t1,  # the reference model's pass (KL), if any
             "timing/training": (t3 - t2) + (t1 - t0),
         })
+        out.update(PEAKS.step_metrics("forward_backward", "optimizer"))  # on a GPU: this step's peaks
         return out
 
     @torch.no_grad()

@@ -104,16 +104,30 @@ SHAPES = {
 
 
 def make_model(out: Path, shape: str = "1.5b", max_position_embeddings: int = 32768) -> str:
-    """Random weights of ``shape`` (bf16 on CUDA, fp32 on CPU) with the tiny tokenizer, in HF format."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    """Random weights of ``shape`` (bf16 on CUDA, fp32 on CPU) with the tiny tokenizer, in HF format.
 
-    from agentrl.tiny import bootstrap_tiny
+    On a GPU the weights are made in a child process: a CUDA context made here would stay in the
+    runner's process for the whole run (~0.6 GiB on an H200, counted in the run's peak memory)."""
+    import torch
 
     out = Path(out)
     if (out / "config.json").is_file() and (out / "peer_shape.txt").is_file() \
             and (out / "peer_shape.txt").read_text() == shape:
         return str(out)
+    if _nvml_gpu_count() > 0 and not os.environ.get("AGENTRL_PEERS_MAKE_MODEL_HERE"):
+        import subprocess
+        import sys
+
+        code = ("import sys; sys.path[:0] = sys.argv[4:]; from bench.peers.common import make_model; "
+                "make_model(sys.argv[1], sys.argv[2], int(sys.argv[3]))")
+        env = dict(os.environ, AGENTRL_PEERS_MAKE_MODEL_HERE="1")
+        subprocess.run([sys.executable, "-c", code, str(out), shape, str(max_position_embeddings),
+                        str(Path(__file__).resolve().parents[2])], check=True, env=env)
+        return str(out)
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from agentrl.tiny import bootstrap_tiny
+
     bootstrap_tiny(out, log=lambda *a, **k: None)  # tokenizer + chat template; the weights are replaced
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=max_position_embeddings, rope_theta=1_000_000.0,
                          tie_word_embeddings=True, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
@@ -320,13 +334,26 @@ def pinned_versions(*names: str) -> dict[str, str]:
     return out
 
 
-def device_name() -> str:
+def _nvml_gpu_count() -> int:
+    """GPUs NVML sees (0 without NVML): asks the driver without making a CUDA context."""
     try:
-        import torch
+        import pynvml
 
-        if torch.cuda.is_available():
-            return torch.cuda.get_device_name(0)
-    except Exception:
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:  # noqa: BLE001 - no NVML: no GPU to speak of
+        return 0
+
+
+def device_name() -> str:
+    """The GPU's name (through NVML: no CUDA context in the runner's process), else the CPU."""
+    try:
+        import pynvml
+
+        if _nvml_gpu_count() > 0:
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            return name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # noqa: BLE001 - no NVML: the CPU below
         pass
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 

@@ -145,6 +145,8 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
                                              for m in rows)))
         res.extra["staleness_max"] = max(m.get("replay/staleness_max", 0.0) for m in rows)
         res.extra["step_walls_s"] = [round(w, 3) for w in walls]
+        res.extra["learner_peaks_by_step_gib"] = [{k.removeprefix("memory/peak_").removesuffix("_gib"): round(v, 3)
+                                                   for k, v in m.items() if k.startswith("memory/peak_")} for m in rows]
     busy_from = stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0
     return close_result(res, sampler, busy_from, args.steps)
 

@@ -311,6 +311,7 @@ class MegatronLearner:
             "train/num_sequences_trained": float(len(samples)), "train/num_tokens": float(sum(len(s) for s in samples)), "train/num_microbatches": float(len(plan) * lay.dp),
             "train/version": float(self.version), "timing/logprobs": t2 - t1, "timing/training": (t3 - t2) + (t1 - t0),
         })
+        out.update(PEAKS.step_metrics("forward_backward", "optimizer"))  # on a GPU: this step's peaks
         return out
 
     def _reduce_metrics(self, store: list[dict]) -> dict[str, float]:
