@@ -99,6 +99,7 @@ class MegatronLearner:
 
             use_capture_stream(self.device)
         self.layout = init_parallel_state(mcfg, seed=cfg.seed)
+        PEAKS.note("parallel_state")  # the CUDA context and torch.distributed's communicators, no tensor yet
         torch.manual_seed(cfg.seed + self.layout.pp_rank)
         self.model_path = Path(model_path or cfg.model.path)
         random_init = hf_config is not None and model_path is None
@@ -124,6 +125,7 @@ class MegatronLearner:
                 self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
         del hf_state
+        PEAKS.note("model")
         self.ddp, self.optimizer = build_ddp_and_optimizer(self.model, cfg.learner)
         self.graphs = None
         if mcfg.cuda_graphs:

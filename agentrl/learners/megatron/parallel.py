@@ -63,9 +63,13 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None, 
     if not dist.is_initialized():
         os.environ["MASTER_ADDR"] = str(_env(master_addr, "MASTER_ADDR", "127.0.0.1"))
         os.environ["MASTER_PORT"] = str(_env(master_port, "MASTER_PORT", 29500))
+        # No device_id: NCCL communicators are made lazily, for the groups a collective uses; with
+        # device_id torch may make them eagerly for every group Megatron creates (a few dozen).
+        # AGENTRL_NCCL_EAGER_INIT=1 restores the eager start (for measuring the difference).
+        eager = os.environ.get("AGENTRL_NCCL_EAGER_INIT", "0") == "1"
         dist.init_process_group(backend or "nccl", rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s),
-                                device_id=torch.device("cuda", local_rank))
+                                **({"device_id": torch.device("cuda", local_rank)} if eager else {}))
     return torch.device("cuda", local_rank)
 
 

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Where agentrl's GPU memory goes at TRL's memory settings (issue 29), after the three-call carry:
+# the GPU tests of the memory tools, then agentrl:multi:memory with NCCL's communicators made eagerly
+# (as before 2026-11-28), lazily (the default now), and lazily with the refit through the object
+# store (no CUDA IPC): each run's result (learner_memory_gib: allocator peaks by phase, `outside_*`
+# = the driver's count for the learner's process beyond its allocator; engine_memory_gib;
+# gpu_processes_gib) under $OUT/<run>/peers.json.
+#   bash bench/peers/memory_probe.sh [eager] [lazy] [object_store]     (default: all three)
+set -o pipefail
+source bench/device_env.sh memory_probe
+root=$OUT
+python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_optim.py tests/test_torch_learner.py -k "fused or peaks" 2>&1 \
+  | grep -v "Warn\|warn(\|DEBUG" | tail -4
+for run in ${@:-eager lazy object_store}; do
+  args="--steps ${PROBE_STEPS:-3}"
+  case $run in
+    eager) env="AGENTRL_NCCL_EAGER_INIT=1 VLLM_LOGGING_LEVEL=INFO" ;;
+    lazy) env="" ;;
+    object_store) env=""; args="$args --set refit.transport=object_store" ;;
+    *) echo "memory_probe: unknown run '$run'"; exit 2 ;;
+  esac
+  env $env OUT=$root/$run RUN_TIMEOUT=${RUN_TIMEOUT:-200} PEER_ARGS="$args" bash bench/peers/device.sh agentrl:multi:memory \
+    | grep "^RESULT\|exited" | cut -c1-300
+  python3 - "$root/$run/peers.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))[-1]
+print(sys.argv[1].split("/")[-2], "peak", round(r["peak_gpu_gib"], 2), "processes", r["extra"].get("gpu_processes_gib", {}).get("at_device_peak"))
+print("  learner", r["extra"].get("learner_memory_gib"))
+print("  engine", r["extra"].get("engine_memory_gib"))
+PY
+done
