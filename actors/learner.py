@@ -7,6 +7,7 @@ returns rank 0's answer, so the driver sees a single learner.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -32,7 +33,7 @@ def _busy(method: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-@ray.remote(concurrency_groups=DIAG_GROUPS)
+@ray.remote(concurrency_groups={**DIAG_GROUPS, "refit": 1})
 class LearnerActor(SyncDiag):
     def __init__(self, cfg: Config, model_path: str, **kwargs: Any) -> None:
         import torch
@@ -44,6 +45,8 @@ class LearnerActor(SyncDiag):
         self.lora = cfg.learner.lora.serves_adapter  # a refit moves the adapter's tensors only
         self.merged = cfg.learner.lora.serves_merged  # a refit moves base + adapter as full weights
         self._refit_buf = None
+        self._refit_generation = 0  # exports so far: a release names the one it frees
+        self._refit_lock = threading.Lock()  # release_refit runs in a thread of its own
         self._weight_group = None
         self._idle_since: float | None = None  # end of the last call that used the learner
         self._current: tuple[str, float] | None = None
@@ -85,26 +88,34 @@ class LearnerActor(SyncDiag):
         export = self.learner.export_adapter if self.lora else self.learner.export_weights
         if transport == "object_store":
             return export()
+        with self._refit_lock:  # a release of the last export running beside this one sees the new generation
+            self._refit_generation += 1  # every rank counts every export: the generations agree
+            generation = self._refit_generation
+            # The driver exports only after every engine has loaded the last export: a buffer
+            # whose release has not run yet is done with, and two never coexist.
+            self._refit_buf = None
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if transport == "cuda_ipc" and not self.lora:
             # The engines share this GPU: the blocks the step left cached go back to the device
             # first, so the model-sized buffer takes their place instead of adding to them (the
-            # GPU's peak, engines included). release_refit empties the cache after the refit anyway,
-            # so the next step allocates the same as before.
+            # GPU's peak, engines included).
             torch.cuda.empty_cache()
         with PEAKS.phase("refit_export"):
             if self.merged:  # merged into the flat buffer itself: no merged copy of the model beside it
-                self._refit_buf, spec = self.learner.export_merged_flat(device)
+                buf, spec = self.learner.export_merged_flat(device)
             else:
                 weights = export(device=device)
                 if self.rank != 0:
                     return None
-                self._refit_buf, spec = flatten_weights(weights)
+                buf, spec = flatten_weights(weights)
                 del weights
-        if self._refit_buf.is_cuda:
+        if buf.is_cuda:
             torch.cuda.synchronize()  # the buffer is complete before another process reads it
-        handle = ipc_handle(self._refit_buf) if transport == "cuda_ipc" else None
-        return RefitPayload(transport, spec_to_bytes(spec), handle)  # type: ignore[arg-type]
+        with self._refit_lock:
+            self._refit_buf = buf
+        handle = ipc_handle(buf) if transport == "cuda_ipc" else None
+        return RefitPayload(transport, spec_to_bytes(spec), handle,  # type: ignore[arg-type]
+                            generation=generation)
 
     def init_weight_group(self, host: str, port: int, world_size: int) -> int:
         """Rank 0 of the refit broadcast group (nccl transport; gloo when the learner is on CPU)."""
@@ -127,14 +138,26 @@ class LearnerActor(SyncDiag):
             self._weight_group.broadcast(self._refit_buf)
         return time.perf_counter() - t0
 
-    @_busy
-    def release_refit(self) -> None:
-        """Drop the refit buffer (after every engine has loaded from it)."""
-        self._refit_buf = None
-        self.free_memory()
+    @ray.method(concurrency_group="refit")
+    def release_refit(self, generation: int | None = None) -> bool:
+        """Drop the refit buffer of export ``generation`` (None: whichever is held) once every
+        engine has loaded from it; True if it was dropped.
+
+        Runs in a concurrency group of its own, so it does not queue behind a training step the
+        driver has already sent (train.overlap_steps): the buffer (the model's size) no longer
+        lives through the next step's forward, backward and optimizer step (it did: 2.9 GiB of
+        the learner's peak at 1.5B, H200 2026-11-28). It only drops the reference: the block goes
+        back to the allocator's cache, where the step's own tensors reuse it; no empty_cache or
+        gc here (either would stall the step running beside it); the next export empties the
+        cache first. A release that arrives after a newer export leaves that newer buffer alone."""
         from agentrl.learners.common import PEAKS
 
-        PEAKS.note("released")  # the buffer freed, the cache emptied: what stays outside the allocator
+        with self._refit_lock:
+            if generation is not None and generation != self._refit_generation:
+                return False
+            self._refit_buf = None
+        PEAKS.note("released")  # what stays outside the allocator between refits
+        return True
 
     def free_memory(self) -> dict[str, float]:
         """Return cached GPU memory to the device (colocated: the engine wakes next); GiB held."""

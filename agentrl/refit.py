@@ -243,3 +243,4 @@ class RefitPayload:
     transport: Transport
     spec: bytes  # spec_to_bytes(FlatSpec)
     handle: bytes | None = None  # cuda_ipc only
+    generation: int = 0  # which export of the learner: its release_refit(generation) drops that buffer only

@@ -283,7 +283,7 @@ class Supervision:
             self.engines_unavailable_at_refit += 1  # died again: it is asked again once it answers
         finally:
             if self.transport != "object_store":
-                self._release_ref = self.learner.release_refit.remote()
+                self._release_ref = self.learner.release_refit.remote(getattr(payload, "generation", None))
         self.num_engine_catch_ups += 1
 
     def _resume_hint(self) -> str:

@@ -80,7 +80,7 @@ class WeightSync:
         flat buffer once every engine has loaded."""
         t0 = time.perf_counter()
         try:
-            self._load_engines(payload, version)
+            payload = self._load_engines(payload, version)
         except ray.exceptions.ObjectLostError as exc:
             # The weights' object was lost (evicted, its owner's node gone, freed): export them
             # again and load those. The learner may have stepped since, so the engines can get
@@ -92,18 +92,22 @@ class WeightSync:
             payload = self.learner.export_for_refit.remote(self.transport)
             if self.transport == "nccl":
                 self._broadcast_ref = self.learner.broadcast_weights.remote()
-            self._load_engines(payload, version)
+            payload = self._load_engines(payload, version)
         ray.get(self.replay.set_weights_version.remote(version))
         self.engines_version = version
         if self.transport != "object_store":
             # Not waited for: with the learner stepping beside the engines (split placement) the
             # release queues behind its step, which held admission at the old version and counted
-            # a whole step as refit time (6.3 s of a 0.7 s refit at 1.5B). It runs before the next
-            # export (actor calls run in order); _export checks its result.
-            self._release_ref = self.learner.release_refit.remote()
+            # a whole step as refit time (6.3 s of a 0.7 s refit at 1.5B). The learner runs it
+            # beside a step already sent (a concurrency group of its own), so the buffer does not
+            # live through that step; _export checks its result. It names this export's
+            # generation: a late release never drops a newer buffer.
+            self._release_ref = self.learner.release_refit.remote(getattr(payload, "generation", None))
         return time.perf_counter() - t0
 
-    def _load_engines(self, payload: Any, version: int) -> None:
+    def _load_engines(self, payload: Any, version: int) -> Any:
+        """Load ``payload`` (an ObjectRef of the learner's export) into every engine; returns it
+        resolved (GPU transports: the RefitPayload, whose generation the release names)."""
         if self.transport == "object_store":
             ray.get(self.replay.stage_weights.remote(version, [payload]))
         else:
@@ -116,6 +120,7 @@ class WeightSync:
                 self.engines_unavailable_at_refit += 1
         if self.transport == "nccl":
             ray.get(self._broadcast_ref)
+        return payload
 
     def _start_refit(self) -> float:
         """Begin a refit to the current version in the background; returns seconds spent waiting
