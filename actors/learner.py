@@ -50,6 +50,10 @@ class LearnerActor(SyncDiag):
         self._weight_group = None
         self._idle_since: float | None = None  # end of the last call that used the learner
         self._current: tuple[str, float] | None = None
+        # before the first CUDA allocation of this process (the model's weights)
+        self._expandable = bool(cfg.learner.expandable_segments) and torch.cuda.is_available()
+        if self._expandable:
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         self.learner = build_learner(cfg, model_path=model_path, **kwargs)
         from agentrl.learners.common import PEAKS
 
@@ -83,7 +87,13 @@ class LearnerActor(SyncDiag):
         import torch
 
         from agentrl.learners.common import PEAKS
-        from agentrl.refit import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
+        from agentrl.refit import (
+            RefitPayload,
+            flatten_weights,
+            ipc_handle,
+            plain_allocations,
+            spec_to_bytes,
+        )
 
         export = self.learner.export_adapter if self.lora else self.learner.export_weights
         if transport == "object_store":
@@ -100,7 +110,7 @@ class LearnerActor(SyncDiag):
             # first, so the model-sized buffer takes their place instead of adding to them (the
             # GPU's peak, engines included).
             torch.cuda.empty_cache()
-        with PEAKS.phase("refit_export"):
+        with PEAKS.phase("refit_export"), plain_allocations(self._expandable and transport == "cuda_ipc"):
             if self.merged:  # merged into the flat buffer itself: no merged copy of the model beside it
                 buf, spec = self.learner.export_merged_flat(device)
             else:

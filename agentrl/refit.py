@@ -18,6 +18,7 @@ of Ray or vLLM: the actors and the worker extension call it.
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ __all__ = [
     "flatten_weights",
     "ipc_handle",
     "open_ipc_handle",
+    "plain_allocations",
     "resolve_transport",
     "spec_from_bytes",
     "spec_to_bytes",
@@ -156,6 +158,24 @@ def ipc_handle(buffer: torch.Tensor) -> bytes:
     if buffer.device.type != "cuda":
         raise ValueError("cuda_ipc refit: the flat weight buffer must be on a CUDA device")
     return pickle.dumps(reduce_tensor(buffer))
+
+
+@contextlib.contextmanager
+def plain_allocations(enabled: bool = True) -> Iterator[None]:
+    """CUDA allocations inside are plain cudaMalloc segments although this process's allocator
+    uses expandable segments (``enabled``; a no-op otherwise): a buffer another process opens by
+    :func:`ipc_handle` (CUDA IPC of expandable memory needs ``pidfd_getfd``, which containers often
+    refuse). Expandable segments come back on at the end."""
+    import torch
+
+    if not enabled:
+        yield
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    try:
+        yield
+    finally:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 
 
 def open_ipc_handle(handle: bytes, device_index: int | None = None) -> torch.Tensor:

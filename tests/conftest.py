@@ -27,3 +27,16 @@ def tiny_family_dir(tmp_path_factory):
         return made[family]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def ray_local_2cpu():
+    """A local Ray of 2 CPUs for the module (started here unless one runs already)."""
+    import ray
+
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    if started:
+        ray.shutdown()

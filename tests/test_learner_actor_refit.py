@@ -6,23 +6,12 @@ from __future__ import annotations
 
 import time
 
-import pytest
 import ray
 
 from agentrl.config import Config
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
-def test_a_refit_release_runs_beside_a_step_and_never_drops_a_newer_buffer(tiny_model_dir, ray_local):
+def test_a_refit_release_runs_beside_a_step_and_never_drops_a_newer_buffer(tiny_model_dir, ray_local_2cpu):
     from agentrl.actors.learner import LearnerActor
 
     class _Busy(LearnerActor.__ray_actor_class__):  # the real actor, plus a call that holds its main thread
@@ -31,7 +20,8 @@ def test_a_refit_release_runs_beside_a_step_and_never_drops_a_newer_buffer(tiny_
             return True
 
     busy = ray.remote(concurrency_groups={"diag": 1, "refit": 1})(_Busy)
-    cfg = Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3}})
+    # expandable_segments: a GPU learner's option, no effect on the CPU (the refit path is the same)
+    cfg = Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3, "expandable_segments": True}})
     actor = busy.remote(cfg, tiny_model_dir)
     try:
         first = ray.get(actor.export_for_refit.remote("nccl"), timeout=120)  # the flat buffer, kept by the actor

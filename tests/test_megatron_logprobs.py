@@ -52,3 +52,31 @@ def test_fused_equals_unfused_in_bf16(keep_grad_logits: bool, temperature: float
     assert (gh0 - gh1).abs().max() <= 1e-2 * gh0.abs().max()  # bf16 rounding of the kept/scaled grads
     assert (gw0 - gw1).abs().max() <= 1e-2 * gw0.abs().max()
     assert not gw1[36:].any()  # padding rows get no gradient
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("keep_grad_logits", [False, True])
+def test_the_weights_gradient_goes_into_main_grad_when_asked(fused: bool, keep_grad_logits: bool) -> None:
+    # Megatron DDP's main_grad (float32) gets the head's weight gradient directly; autograd gets none
+    # (accumulate_main_grad); the same gradient as the .grad path, added to what main_grad held.
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(41, 32, generator=g).bfloat16()
+    weight = (0.3 * torch.randn(40, 32, generator=g)).bfloat16()
+    labels = torch.randint(0, 36, (41,), generator=g)
+    up = torch.randn(41, generator=g)
+    kw = {"real_vocab": 36, "temperature": 0.7, "chunk_size": 16, "keep_grad_logits": keep_grad_logits, "fused": fused}
+    h0, w0 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    (vocab_parallel_logprobs(h0, w0, labels, **kw) * up).sum().backward()
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    held = torch.randn(40, 32, generator=g)  # what earlier micro-batches (or the tied embedding) left there
+    w1.main_grad = held.clone()
+    (vocab_parallel_logprobs(h1, w1, labels, accumulate_main_grad=True, **kw) * up).sum().backward()
+    assert w1.grad is None  # nothing for DDP's hook to add
+    added = w1.main_grad - held
+    assert (added - w0.grad.float()).abs().max() <= 1e-2 * w0.grad.float().abs().max()  # .grad was rounded to bf16
+    assert not added[36:].any()  # padding rows get no gradient
+    assert torch.equal(h1.grad, h0.grad)
+    # without main_grad (the torch learner's HF weight) the flag changes nothing
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    (vocab_parallel_logprobs(h2, w2, labels, accumulate_main_grad=True, **kw) * up).sum().backward()
+    assert torch.equal(w2.grad, w0.grad)

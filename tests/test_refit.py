@@ -146,3 +146,49 @@ def test_broadcast_protocol_over_gloo_reaches_every_worker_bit_exact():
         assert all(torch.equal(got[k], weights[k]) for k in weights)
     for got in second:
         assert all(torch.equal(got[k], weights2[k]) for k in weights)
+
+
+def test_plain_allocations_is_a_no_op_when_off():
+    from agentrl.refit import plain_allocations
+
+    with plain_allocations(False):  # no CUDA needed: nothing is switched
+        x = torch.ones(3)
+    assert x.sum() == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_buffer_made_under_plain_allocations_is_a_plain_segment_another_process_opens():
+    # learner.expandable_segments: the learner's allocator maps expandable segments, but the CUDA
+    # IPC refit's buffer must be a plain allocation. In a process of its own (the setting is global).
+    import subprocess
+    import sys
+
+    code = r'''
+import pickle, subprocess, sys
+import torch
+from agentrl.refit import ipc_handle, plain_allocations
+torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+before = torch.ones(8 * 2**20, device="cuda")  # 32 MiB in an expandable segment
+with plain_allocations():
+    buf = torch.arange(4 * 2**20, dtype=torch.float32, device="cuda")
+after = torch.ones(8 * 2**20, device="cuda")
+torch.cuda.synchronize()
+def segment_of(t):
+    p = t.data_ptr()
+    for seg in torch.cuda.memory_snapshot():
+        if seg["address"] <= p < seg["address"] + seg["total_size"]:
+            return seg
+kinds = [bool(segment_of(t).get("is_expandable")) for t in (before, buf, after)]
+assert kinds == [True, False, True], kinds
+child = "import pickle, sys, torch; from agentrl.refit import open_ipc_handle; " \
+        "t = open_ipc_handle(sys.stdin.buffer.read()); print(float(t[-1]), t.numel())"
+out = subprocess.run([sys.executable, "-c", child], input=ipc_handle(buf), capture_output=True, check=True)
+assert out.stdout.split() == [str(float(4 * 2**20 - 1)).encode(), str(4 * 2**20).encode()], out
+print("ok")
+'''
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]

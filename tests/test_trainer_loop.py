@@ -116,16 +116,6 @@ class _Rollout:
         self.stop_ = True
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield
-    if started:
-        ray.shutdown()
-
-
 def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = False,
          driver_delay_s: float = 0.0, checkpoint_interval: int = 0) -> tuple[list, list, list[dict], list[float]]:
     from agentrl.actors.replay import ReplayActor
@@ -168,7 +158,7 @@ def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = Fal
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_on_policy_steps_wait_for_the_refit(tmp_path, ray_local, overlap):
+def test_on_policy_steps_wait_for_the_refit(tmp_path, ray_local_2cpu, overlap):
     loads, steps, rows, _ = _run(tmp_path, max_staleness=0, overlap=overlap)
     assert [v for v, _, _ in loads] == [1, 2, 3, 4, 5, 6]  # every version, in order, the last one too
     assert [v for v, _ in steps] == [1, 2, 3, 4, 5, 6]  # no step beyond train.num_steps
@@ -182,7 +172,7 @@ def test_on_policy_steps_wait_for_the_refit(tmp_path, ray_local, overlap):
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_off_policy_steps_overlap_the_refit_within_the_bound(tmp_path, ray_local, overlap):
+def test_off_policy_steps_overlap_the_refit_within_the_bound(tmp_path, ray_local_2cpu, overlap):
     loads, steps, rows, _ = _run(tmp_path, max_staleness=2, steps=8, overlap=overlap)
     assert [v for v, _, _ in loads] == list(range(1, 9))
     load_of = {v: (start, end) for v, start, end in loads}
@@ -195,7 +185,7 @@ def test_off_policy_steps_overlap_the_refit_within_the_bound(tmp_path, ray_local
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_overlapped_steps_do_not_wait_for_a_slow_driver(tmp_path, ray_local, overlap):
+def test_overlapped_steps_do_not_wait_for_a_slow_driver(tmp_path, ray_local_2cpu, overlap):
     """The driver spends 0.3 s per step after each one (a stand-in for logging and metrics). Queued
     ahead, the learner's next step starts as soon as its batch is there; otherwise it waits for
     the driver every step (the control)."""
@@ -211,7 +201,7 @@ def test_overlapped_steps_do_not_wait_for_a_slow_driver(tmp_path, ray_local, ove
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_checkpoints_see_the_learner_right_after_their_step(tmp_path, ray_local, overlap):
+def test_checkpoints_see_the_learner_right_after_their_step(tmp_path, ray_local_2cpu, overlap):
     """Every step runs with checkpoints on, and none is queued past a checkpoint: the learner holds
     exactly the checkpoint's version when it saves."""
     _, steps, rows, _ = _run(tmp_path, max_staleness=2, steps=6, overlap=overlap, checkpoint_interval=2)

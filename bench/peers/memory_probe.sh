@@ -5,7 +5,10 @@
 # store (no CUDA IPC): each run's result (learner_memory_gib: allocator peaks by phase, `outside_*`
 # = the driver's count for the learner's process beyond its allocator; engine_memory_gib;
 # gpu_processes_gib) under $OUT/<run>/peers.json.
-#   bash bench/peers/memory_probe.sh [eager] [lazy] [object_store]     (default: all three)
+#   bash bench/peers/memory_probe.sh [eager] [lazy] [object_store] [shared] [expandable]
+# (default: eager lazy object_store). shared: eager communicators split from the world's with
+# NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (one set of NCCL buffers for every group); expandable: lazy, with
+# learner.expandable_segments (the learner's allocator in expandable segments).
 # PROBE_TESTS=0 skips the tests; RUN_TIMEOUT (s, default 300) bounds each run: the first run on a fresh
 # machine makes the random 1.5B model too (~245 s in all on the H200; 175 s cut every run short).
 set -o pipefail
@@ -19,6 +22,8 @@ for run in ${@:-eager lazy object_store}; do
     eager) env="AGENTRL_NCCL_EAGER_INIT=1 VLLM_LOGGING_LEVEL=INFO" ;;
     lazy) env="" ;;
     object_store) env=""; args="$args --set refit.transport=object_store" ;;
+    shared) env="AGENTRL_NCCL_EAGER_INIT=1 NCCL_COMM_SPLIT_SHARE_RESOURCES=1" ;;  # split communicators share the parent's
+    expandable) env=""; args="$args --set learner.expandable_segments=true" ;;
     *) echo "memory_probe: unknown run '$run'"; exit 2 ;;
   esac
   env $env OUT=$root/$run RUN_TIMEOUT=${RUN_TIMEOUT:-300} PEER_ARGS="$args" bash bench/peers/device.sh agentrl:multi:memory \

@@ -144,6 +144,9 @@ class MegatronLearner:
         model.chunk_size = self.cfg.packing.logprob_chunk_size
         model.keep_grad_logits = mcfg.keep_grad_logits
         model.fused_logprobs = mcfg.fused_logprobs
+        # The head's weight gradient straight into DDP's main_grad (see vocab_parallel_logprobs):
+        # DDP's hook only adds .grad into main_grad unless it overlaps the gradient reduction.
+        model.head_grad_to_main_grad = not mcfg.overlap_grad_reduce
         return model
 
     @property

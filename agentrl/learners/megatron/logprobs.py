@@ -73,7 +73,8 @@ class _VocabParallelLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, labels: Tensor, group: Any, vocab_start: int,
                 real_vocab: int, temperature: float, chunk_size: int, keep_grad_logits: bool,
-                fused: bool) -> Tensor:
+                fused: bool, to_main_grad: bool) -> Tensor:
+        ctx.to_main_grad = to_main_grad
         t, v_local = hidden.shape[0], weight.shape[0]
         out = torch.empty(t, dtype=torch.float32, device=hidden.device)
         lse = torch.empty(t, dtype=torch.float32, device=hidden.device)
@@ -124,6 +125,12 @@ class _VocabParallelLogprobs(torch.autograd.Function):
         hidden, weight, labels, lse, grad_logits = ctx.saved_tensors
         vocab_start, real_vocab, temperature, chunk_size, fused = ctx.args
         v_local = weight.shape[0]
+        # Megatron DDP gives each parameter a `main_grad` (float32) that its hook adds `.grad` into:
+        # the weight's gradient goes there directly, and autograd gets none for it. No [V, H] grad
+        # is made, cast or held until the tied embedding's part arrives at the end of the backward
+        # (the hook adds that part on its own). Without main_grad (the torch learner): a .grad.
+        main_grad = getattr(weight, "main_grad", None) if ctx.needs_input_grad[1] and ctx.to_main_grad else None
+        direct = isinstance(main_grad, torch.Tensor) and main_grad.shape == weight.shape
         if grad_logits is not None:
             # Whole-sequence GEMMs over the kept d logp / d logits (scaled in place: backward runs
             # once); the GEMM accumulates over tokens in float32, no float32 [V, H] buffer or cast.
@@ -132,14 +139,20 @@ class _VocabParallelLogprobs(torch.autograd.Function):
             ctx.consumed = True
             if fused:  # scale the [T, H] sides by grad_out instead of the [T, V] one
                 g = grad_out.float()[:, None]
-                return ((grad_logits @ weight * g).to(hidden.dtype) if ctx.needs_input_grad[0] else None,
-                        grad_logits.t() @ (hidden * g).to(hidden.dtype) if ctx.needs_input_grad[1] else None,
-                        *([None] * 8))
-            d = grad_logits.mul_(grad_out[:, None].to(grad_logits.dtype))  # [T, V_local]
-            return (d @ weight if ctx.needs_input_grad[0] else None,
-                    d.t() @ hidden if ctx.needs_input_grad[1] else None, *([None] * 8))
+                grad_h = (grad_logits @ weight * g).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+                grad_w = grad_logits.t() @ (hidden * g).to(hidden.dtype) if ctx.needs_input_grad[1] else None
+            else:
+                d = grad_logits.mul_(grad_out[:, None].to(grad_logits.dtype))  # [T, V_local]
+                grad_h = d @ weight if ctx.needs_input_grad[0] else None
+                grad_w = d.t() @ hidden if ctx.needs_input_grad[1] else None
+            if direct:
+                main_grad.add_(grad_w)
+                grad_w = None
+            return grad_h, grad_w, *([None] * 9)
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = main_grad if direct else torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for s in range(0, hidden.shape[0], chunk_size):
             e = min(s + chunk_size, hidden.shape[0])
             local = labels[s:e] - vocab_start
@@ -155,12 +168,15 @@ class _VocabParallelLogprobs(torch.autograd.Function):
                 grad_h[s:e] = d @ weight
             if grad_w is not None:
                 grad_w.add_(d.t() @ hidden[s:e])
-        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), *([None] * 8)
+        if direct:
+            return grad_h, None, *([None] * 9)
+        return grad_h, (grad_w.to(weight.dtype) if grad_w is not None else None), *([None] * 9)
 
 
 def vocab_parallel_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, group: Any = None,
                             vocab_start: int = 0, real_vocab: int | None = None, temperature: float = 1.0,
-                            chunk_size: int = 1024, keep_grad_logits: bool = False, fused: bool = False) -> Tensor:
+                            chunk_size: int = 1024, keep_grad_logits: bool = False, fused: bool = False,
+                            accumulate_main_grad: bool = False) -> Tensor:
     """``log softmax(hidden @ weight.T / temperature)[label]`` per token, float32 ``[T]``.
 
     Args:
@@ -178,6 +194,10 @@ def vocab_parallel_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, g
         fused: without tensor parallelism and with bf16/fp16 weights, one compiled pass per chunk
             makes the logprobs and logsumexp from the GEMM's logits, and one more d logp / d logits,
             with no float32 [chunk, V] tensor in memory (the same math, another reduction order).
+        accumulate_main_grad: where ``weight`` has Megatron DDP's ``main_grad``, add the weight's
+            gradient into it in backward and give autograd none (no ``[V, H]`` gradient made, cast
+            to the weight's dtype or held to the end of the backward). Only where DDP's hook need
+            not see that parameter's ``.grad`` (``overlap_grad_reduce`` off: the hook only adds).
 
     Example:
         >>> h, w = torch.randn(5, 8), torch.randn(11, 8)
@@ -188,4 +208,5 @@ def vocab_parallel_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, *, g
     if real_vocab is None:
         real_vocab = vocab_start + weight.shape[0]
     return _VocabParallelLogprobs.apply(hidden, weight, labels, group, vocab_start, real_vocab,
-                                        float(temperature), int(chunk_size), bool(keep_grad_logits), bool(fused))
+                                        float(temperature), int(chunk_size), bool(keep_grad_logits), bool(fused),
+                                        bool(accumulate_main_grad))

@@ -158,6 +158,7 @@ class AgentGPTModel(GPTModel):
         self.chunk_size = 1024
         self.keep_grad_logits = False  # see logprobs.vocab_parallel_logprobs
         self.fused_logprobs = False  # likewise (fused=)
+        self.head_grad_to_main_grad = False  # likewise (accumulate_main_grad=): set by the learner
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, packed_seq_params: PackedAttentionParams | None = None,
@@ -193,7 +194,7 @@ class AgentGPTModel(GPTModel):
             group=tp_group if tp_group.size() > 1 else None,
             vocab_start=tp_group.rank() * v_local, real_vocab=self.real_vocab,
             temperature=self.temperature, chunk_size=self.chunk_size, keep_grad_logits=self.keep_grad_logits,
-            fused=self.fused_logprobs)
+            fused=self.fused_logprobs, accumulate_main_grad=self.head_grad_to_main_grad)
 
 
 def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
