@@ -5,29 +5,34 @@
 # store (no CUDA IPC): each run's result (learner_memory_gib: allocator peaks by phase, `outside_*`
 # = the driver's count for the learner's process beyond its allocator; engine_memory_gib;
 # gpu_processes_gib) under $OUT/<run>/peers.json.
-#   bash bench/peers/memory_probe.sh [eager] [lazy] [object_store] [shared] [expandable]
+#   bash bench/peers/memory_probe.sh [eager] [lazy] [object_store] [shared] [expandable] [netshared0]
 # (default: eager lazy object_store). shared: eager communicators split from the world's with
 # NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (one set of NCCL buffers for every group); expandable: lazy, with
-# learner.expandable_segments (the learner's allocator in expandable segments).
+# learner.expandable_segments (the learner's allocator in expandable segments); netshared0: lazy with
+# NCCL_NET_SHARED_BUFFERS=0 (a one-rank communicator allocated a 512 MiB NET shared pool: NVIDIA/nccl
+# issue 2363).
 # PROBE_TESTS=0 skips the tests; RUN_TIMEOUT (s, default 300) bounds each run: the first run on a fresh
 # machine makes the random 1.5B model too (~245 s in all on the H200; 175 s cut every run short).
 set -o pipefail
 source bench/device_env.sh memory_probe
 root=$OUT
 [ "${PROBE_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_optim.py tests/test_torch_learner.py \
-  -k "fused or peaks" 2>&1 | grep -v "Warn\|warn(\|DEBUG" | tail -4
+  tests/test_refit.py tests/test_megatron_logprobs.py -k "fused or peaks or plain or main_grad" 2>&1 \
+  | grep -v "Warn\|warn(\|DEBUG" | tail -4
 for run in ${@:-eager lazy object_store}; do
   args="--steps ${PROBE_STEPS:-3}"
   case $run in
     eager) env="AGENTRL_NCCL_EAGER_INIT=1 VLLM_LOGGING_LEVEL=INFO" ;;
-    lazy) env="" ;;
+    lazy) env="NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT" ;;  # the log names each communicator NCCL makes
     object_store) env=""; args="$args --set refit.transport=object_store" ;;
-    shared) env="AGENTRL_NCCL_EAGER_INIT=1 NCCL_COMM_SPLIT_SHARE_RESOURCES=1" ;;  # split communicators share the parent's
+    shared) env="AGENTRL_NCCL_EAGER_INIT=1 NCCL_COMM_SPLIT_SHARE_RESOURCES=1 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT" ;;  # split communicators share the parent's
     expandable) env=""; args="$args --set learner.expandable_segments=true" ;;
+    netshared0) env="NCCL_NET_SHARED_BUFFERS=0 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT" ;;  # no NET shared pool (NCCL issue 2363)
     *) echo "memory_probe: unknown run '$run'"; exit 2 ;;
   esac
   env $env OUT=$root/$run RUN_TIMEOUT=${RUN_TIMEOUT:-300} PEER_ARGS="$args" bash bench/peers/device.sh agentrl:multi:memory \
     | grep "^RESULT\|exited" | cut -c1-300
+  echo "$run: NCCL communicators made (lines 'Init COMPLETE' in the log): $(grep -c 'Init COMPLETE' "$root/$run/agentrl-multi.log" 2>/dev/null)"
   python3 - "$root/$run/peers.json" <<'PY' || true
 import json, sys
 r = json.load(open(sys.argv[1]))[-1]
