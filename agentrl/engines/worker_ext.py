@@ -204,21 +204,13 @@ class WeightSyncExtension:
         graph pools: ``allocated``, ``reserved``, ``peak``, ``peak_reserved``) and, where NVML lists
         processes, the driver's count for this process (``process``: the reserve plus the CUDA
         context, NCCL, cuBLAS workspaces); empty on CPU."""
-        import os
-
         import torch
 
         if not torch.cuda.is_available():
             return {}
-        from agentrl.learners.common import gpu_memory_by_process
+        from agentrl.learners.common import cuda_memory_gib
 
-        out = {"allocated": torch.cuda.memory_allocated() / 2**30, "reserved": torch.cuda.memory_reserved() / 2**30,
-               "peak": torch.cuda.max_memory_allocated() / 2**30,
-               "peak_reserved": torch.cuda.max_memory_reserved() / 2**30}
-        process = gpu_memory_by_process().get(os.getpid())  # one GPU per worker
-        if process is not None:
-            out["process"] = process
-        return out
+        return cuda_memory_gib()
 
     def agentrl_weight_checksum(self) -> float:
         """Sum of all parameters (a cheap check that a refit changed the weights)."""

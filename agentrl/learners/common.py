@@ -26,6 +26,7 @@ __all__ = [
     "PeakByPhase",
     "TrainSample",
     "build_samples",
+    "cuda_memory_gib",
     "global_counts",
     "learner_memory",
     "memory_breakdown",
@@ -276,7 +277,7 @@ def memory_breakdown(
     ``allocated``, ``reserved``, ``peak`` and ``peak_reserved`` (PyTorch's allocator), ``unseen``
     (allocated but held by no Python tensor: autograd's saved tensors, CUDA graph pools, C++ caches)
     and, where NVML lists processes, ``process`` (what the driver counts for this process);
-    ``peak_<phase>`` / ``peak_reserved_<phase>`` for each phase :data:`PEAKS` has seen.
+    ``peak_<phase>`` / ``peak_reserved_<phase>`` / ``outside_<name>`` for what :data:`PEAKS` has seen.
     """
     import gc
 
@@ -318,17 +319,25 @@ def memory_breakdown(
         if issubclass(type(obj), torch.Tensor):  # type(), not isinstance: no proxy's __class__ is read
             add("other", obj)
     if device.type == "cuda":
-        peak, peak_reserved = PEAKS.overall()
-        stats = {"allocated": torch.cuda.memory_allocated(device) / 2**30,
-                 "reserved": torch.cuda.memory_reserved(device) / 2**30,
-                 "peak": max(peak, torch.cuda.max_memory_allocated(device) / 2**30),
-                 "peak_reserved": max(peak_reserved, torch.cuda.max_memory_reserved(device) / 2**30)}
+        stats = cuda_memory_gib(device)
         stats["unseen"] = max(0.0, stats["allocated"] - sum(out.values()))
-        process = gpu_memory_by_process().get(os.getpid())  # one GPU per learner process
-        if process is not None:  # the driver's count: the allocator's reserve plus the CUDA context, NCCL, cuBLAS
-            stats["process"] = process
         out.update(stats)
         out.update(PEAKS.report())
+    return out
+
+
+def cuda_memory_gib(device: torch.device | None = None) -> dict[str, float]:
+    """GiB of this process's CUDA memory: the allocator's ``allocated``, ``reserved``, ``peak`` and
+    ``peak_reserved`` (over the run, across :data:`PEAKS`' resets) and, where NVML lists processes,
+    ``process`` (what the driver counts: the reserve plus the CUDA context, NCCL, cuBLAS)."""
+    peak, peak_reserved = PEAKS.overall()
+    out = {"allocated": torch.cuda.memory_allocated(device) / 2**30,
+           "reserved": torch.cuda.memory_reserved(device) / 2**30,
+           "peak": max(peak, torch.cuda.max_memory_allocated(device) / 2**30),
+           "peak_reserved": max(peak_reserved, torch.cuda.max_memory_reserved(device) / 2**30)}
+    process = gpu_memory_by_process().get(os.getpid())  # one GPU per learner or engine worker process
+    if process is not None:
+        out["process"] = process
     return out
 
 
