@@ -55,6 +55,15 @@ class LearnerActor(SyncDiag):
         if self._expandable:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         self.learner = build_learner(cfg, model_path=model_path, **kwargs)
+        from agentrl.refit import ReadersGuard
+
+        self._readers = ReadersGuard()  # refit.zero_copy: engines reading the parameters in place
+        self.zero_copy_wait_s = 0.0  # how long optimizer steps waited for them, in all
+        if cfg.refit.zero_copy:
+            if not hasattr(self.learner, "export_views"):
+                raise ValueError("refit.zero_copy needs learner.backend=megatron (the torch learner copies "
+                                 "its weights for each refit)")
+            self.learner.before_optimizer_step = self._wait_for_readers
         from agentrl.learners.common import PEAKS
 
         PEAKS.note("built")  # the model and optimizer in place, before any step
@@ -67,6 +76,9 @@ class LearnerActor(SyncDiag):
         out["timing/learner_idle"] = t0 - self._idle_since if self._idle_since is not None else 0.0
         out["timing/learner_busy"] = time.perf_counter() - t0
         return out
+
+    def _wait_for_readers(self) -> None:
+        self.zero_copy_wait_s += self._readers.wait()
 
     @_busy
     def logprobs(self, trajectories) -> list[list[float]]:
@@ -104,6 +116,20 @@ class LearnerActor(SyncDiag):
             # The driver exports only after every engine has loaded the last export: a buffer
             # whose release has not run yet is done with, and two never coexist.
             self._refit_buf = None
+        if transport == "cuda_ipc" and not self.lora and getattr(self.learner, "param_buffer", None) is not None:
+            # refit.zero_copy: the engines read the parameters where they lie; no buffer is made,
+            # and the next optimizer step waits for their release (ReadersGuard).
+            from agentrl.refit import describe_views
+
+            with PEAKS.phase("refit_export"):
+                buf, views = self.learner.export_views()
+                spec = describe_views(buf, views)
+                del views
+            torch.cuda.synchronize()  # the last optimizer step's writes land before another process reads
+            if self.rank != 0:
+                return None
+            self._readers.begin(generation)
+            return RefitPayload(transport, spec_to_bytes(spec), ipc_handle(buf), generation=generation)
         device = "cuda" if torch.cuda.is_available() else "cpu"
         if transport == "cuda_ipc" and not self.lora:
             # The engines share this GPU: the blocks the step left cached go back to the device
@@ -166,6 +192,7 @@ class LearnerActor(SyncDiag):
             if generation is not None and generation != self._refit_generation:
                 return False
             self._refit_buf = None
+            self._readers.end(generation)  # zero-copy: the optimizer step may write the parameters again
         PEAKS.note("released")  # what stays outside the allocator between refits
         return True
 

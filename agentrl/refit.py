@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
@@ -30,9 +31,13 @@ if TYPE_CHECKING:
 __all__ = [
     "TRANSPORTS",
     "FlatSpec",
+    "LazyReshape",
+    "ReadersGuard",
     "RefitPayload",
     "WeightGroup",
+    "describe_views",
     "flatten_weights",
+    "gather_parameters",
     "ipc_handle",
     "open_ipc_handle",
     "plain_allocations",
@@ -60,10 +65,27 @@ class FlatSpec:
     shapes: tuple[tuple[int, ...], ...]
     offsets: tuple[int, ...]  # byte offsets
     nbytes: int  # total buffer size
+    # Zero-copy refit (describe_views): each tensor is a strided view of the buffer, of this size and
+    # these strides (elements), reshaped to ``shapes``; None: contiguous at its offset.
+    view_shapes: tuple[tuple[int, ...], ...] | None = None
+    strides: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def num_tensors(self) -> int:
         return len(self.names)
+
+
+@dataclass(frozen=True)
+class LazyReshape:
+    """``tensor.reshape(shape)``, not taken yet: the tensor is a view the reshape would copy (q, k
+    and v out of Megatron's interleaved QKV weight), and a zero-copy refit sends the view; the
+    engine reshapes (a copy of one tensor there, none in the learner)."""
+
+    tensor: Any
+    shape: tuple[int, ...]
+
+    def materialize(self) -> Any:
+        return self.tensor.reshape(self.shape)
 
 
 def resolve_transport(requested: str, *, engine_on_gpu: bool, same_gpu: bool) -> Transport:
@@ -137,7 +159,8 @@ def flatten_weights(weights: dict[str, torch.Tensor], device: torch.device | str
 
 
 def unflatten_weights(buffer: torch.Tensor, spec: FlatSpec) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` views into ``buffer`` as laid out by :func:`flatten_weights` (no copies)."""
+    """``(name, tensor)`` views into ``buffer`` as laid out by :func:`flatten_weights` (no copies),
+    or by :func:`describe_views` (strided views, reshaped: a copy only where the view is not one)."""
     import math
 
     import torch
@@ -145,10 +168,96 @@ def unflatten_weights(buffer: torch.Tensor, spec: FlatSpec) -> Iterator[tuple[st
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < spec.nbytes:
         raise ValueError(f"refit buffer: expected a flat uint8 buffer of >= {spec.nbytes} bytes, "
                          f"got {buffer.dtype} {tuple(buffer.shape)}")
-    for name, dtype, shape, off in zip(spec.names, spec.dtypes, spec.shapes, spec.offsets):
+    strided = spec.strides or (None,) * len(spec.names)
+    sizes = spec.view_shapes or (None,) * len(spec.names)
+    for name, dtype, shape, off, size, stride in zip(spec.names, spec.dtypes, spec.shapes, spec.offsets,
+                                                      sizes, strided):
         dt = getattr(torch, dtype)
-        nbytes = math.prod(shape) * torch.empty((), dtype=dt).element_size()
-        yield name, buffer[off:off + nbytes].view(dt).view(shape)
+        item = torch.empty((), dtype=dt).element_size()
+        if stride is None:
+            nbytes = math.prod(shape) * item
+            yield name, buffer[off:off + nbytes].view(dt).view(shape)
+            continue
+        span = _span(size, stride)
+        view = buffer[off:off + span * item].view(dt).as_strided(size, stride)
+        yield name, view.reshape(shape)
+
+
+def _span(size: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements from a strided view's first to its last element, inclusive (0 if empty)."""
+    if any(n == 0 for n in size):
+        return 0
+    return 1 + sum((n - 1) * st for n, st in zip(size, stride))
+
+
+def describe_views(buffer: torch.Tensor, weights: dict[str, Any]) -> FlatSpec:
+    """The layout of ``weights`` (tensors, or :class:`LazyReshape` of tensors) as they already lie
+    inside ``buffer`` (a flat uint8 tensor): a zero-copy refit sends ``buffer``'s handle with it
+    and the engine takes strided views (:func:`unflatten_weights`). Tied duplicates are left out as
+    :func:`flatten_weights` does. Raises ``ValueError`` for a tensor outside the buffer.
+
+    Example:
+        >>> import torch
+        >>> buf = torch.zeros(64, dtype=torch.uint8)
+        >>> w = buf[:24].view(torch.float32).view(2, 3)
+        >>> spec = describe_views(buf, {"w": w, "wt": LazyReshape(w.t(), (6,))})
+        >>> [(n, tuple(t.shape)) for n, t in unflatten_weights(buf, spec)]
+        [('w', (2, 3)), ('wt', (6,))]
+    """
+    import torch
+
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError("describe_views: the buffer must be one flat contiguous uint8 tensor")
+    base, end = buffer.data_ptr(), buffer.data_ptr() + buffer.numel()
+    names, dtypes, shapes, offsets, sizes, strides, seen = [], [], [], [], [], [], set()
+    for name, value in weights.items():
+        t, shape = (value.tensor, value.shape) if isinstance(value, LazyReshape) else (value, tuple(value.shape))
+        key = (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and key in seen:
+            continue
+        seen.add(key)
+        start = t.data_ptr()
+        stop = start + _span(tuple(t.shape), t.stride()) * t.element_size()
+        if t.device != buffer.device or not base <= start <= stop <= end:
+            raise ValueError(f"zero-copy refit: {name} is not inside the learner's parameter buffer "
+                             f"({t.device}, offset {start - base}); the parameters were not gathered into it")
+        names.append(name)
+        dtypes.append(str(t.dtype).removeprefix("torch."))
+        shapes.append(tuple(shape))
+        offsets.append(start - base)
+        sizes.append(tuple(t.shape))
+        strides.append(tuple(t.stride()))
+    return FlatSpec(names=tuple(names), dtypes=tuple(dtypes), shapes=tuple(shapes), offsets=tuple(offsets),
+                    nbytes=buffer.numel(), view_shapes=tuple(sizes), strides=tuple(strides))
+
+
+def gather_parameters(module: torch.nn.Module, device: torch.device | str | None = None) -> torch.Tensor:
+    """Move every parameter of ``module`` into one flat uint8 buffer (each ``param.data`` becomes a
+    view of it, aligned as :func:`flatten_weights` aligns) and return the buffer: the memory a
+    zero-copy refit shares with the engines. Values are unchanged; the old storage is freed (the
+    allocator's cache keeps it until ``empty_cache``). Shared parameters stay shared."""
+    import torch
+
+    params: list[torch.nn.Parameter] = []
+    seen: set[int] = set()
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    offsets, pos = [], 0
+    for p in params:
+        pos = -(-pos // _ALIGN) * _ALIGN
+        offsets.append(pos)
+        pos += p.numel() * p.element_size()
+    device = torch.device(device) if device is not None else (params[0].device if params else torch.device("cpu"))
+    buffer = torch.empty(max(pos, 1), dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        for p, off in zip(params, offsets):
+            nbytes = p.numel() * p.element_size()
+            view = buffer[off:off + nbytes].view(p.dtype).view(p.shape)
+            view.copy_(p.data)
+            p.data = view
+    return buffer
 
 
 def ipc_handle(buffer: torch.Tensor) -> bytes:
@@ -264,3 +373,48 @@ class RefitPayload:
     spec: bytes  # spec_to_bytes(FlatSpec)
     handle: bytes | None = None  # cuda_ipc only
     generation: int = 0  # which export of the learner: its release_refit(generation) drops that buffer only
+
+
+class ReadersGuard:
+    """Zero-copy refit: between an export (:meth:`begin`) and its release (:meth:`end`) the engines
+    read the learner's parameters in place, so the optimizer step, which writes them, waits in
+    :meth:`wait` first. The release names its export's generation: a late release of an older
+    export does not end a newer one's reading.
+
+    Example:
+        >>> g = ReadersGuard(timeout_s=0.1)
+        >>> g.begin(1); g.end(0), g.end(1), g.wait() >= 0.0
+        (False, True, True)
+    """
+
+    def __init__(self, timeout_s: float = 900.0) -> None:
+        self.timeout_s = timeout_s
+        self._cond = threading.Condition()
+        self._pending: int | None = None
+
+    def begin(self, generation: int) -> None:
+        with self._cond:
+            self._pending = generation
+
+    def end(self, generation: int | None = None) -> bool:
+        with self._cond:
+            if self._pending is None or (generation is not None and generation != self._pending):
+                return False
+            self._pending = None
+            self._cond.notify_all()
+            return True
+
+    def wait(self) -> float:
+        """Block until no export is being read; seconds waited. Raises ``TimeoutError`` after
+        ``timeout_s`` (the engines never reported the load done)."""
+        import time
+
+        t0 = time.perf_counter()
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._pending is None, timeout=self.timeout_s):
+                raise TimeoutError(
+                    f"zero-copy refit: the engines have not released export {self._pending} of the learner's "
+                    f"parameters after {self.timeout_s:.0f} s, so its optimizer step cannot write them; an "
+                    "engine's weight load hangs or its release was lost (refit.zero_copy=false copies the "
+                    "weights for each refit instead)")
+        return time.perf_counter() - t0

@@ -130,3 +130,60 @@ def test_unsupported_options_are_refused() -> None:
         ModelShape.from_hf_config(LlamaConfig(attention_bias=True, **COMMON))
     with pytest.raises(ValueError, match="not supported"):
         ModelShape.from_hf_config(type("C", (), {"model_type": "gpt2"})())
+
+
+@pytest.mark.parametrize("family,tied", [("qwen2", True), ("qwen2", False), ("llama", False), ("qwen3", True)])
+def test_zero_copy_views_give_the_exported_weights(family: str, tied: bool) -> None:
+    """refit.zero_copy: the parameters gathered into one buffer (gather_parameters), described as
+    strided views (megatron_to_hf(lazy=True) + describe_views) and rebuilt on the engine's side
+    (unflatten_weights) equal the copying export, tensor for tensor, without a copy in the learner."""
+    from agentrl.refit import LazyReshape, describe_views, gather_parameters, unflatten_weights
+
+    cfg, hf = tiny_hf(family, tied)
+    shape = ModelShape.from_hf_config(cfg)
+    mc = hf_to_megatron(hf, shape)
+    holder = torch.nn.ParameterDict({k.replace(".", "/"): torch.nn.Parameter(v.to(torch.bfloat16).clone())
+                                     for k, v in mc.items()})
+    buf = gather_parameters(holder)
+    params = {k.replace("/", "."): p.data for k, p in holder.items()}
+    assert all(p.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr() for p in params.values())
+    eager = megatron_to_hf(params, shape)
+    lazy = megatron_to_hf(params, shape, lazy=True)
+    assert sorted(eager) == sorted(lazy)
+    assert any(isinstance(v, LazyReshape) for v in lazy.values())  # q, k, v stay views
+    spec = describe_views(buf, lazy)
+    rebuilt = dict(unflatten_weights(buf.clone(), spec))  # another process's copy of the memory
+    assert sorted(rebuilt) == sorted(eager)
+    for name, t in eager.items():
+        assert rebuilt[name].shape == t.shape and torch.equal(rebuilt[name], t), name
+    # the views follow the parameters: an optimizer's write shows in the next refit's tensors
+    eager = {n: t.clone() for n, t in eager.items()}
+    with torch.no_grad():
+        for p in holder.values():
+            p.add_(1)
+    again = dict(unflatten_weights(buf, spec))
+    assert all(torch.equal(again[n], t + 1) for n, t in eager.items())
+
+
+def test_gather_parameters_keeps_values_ties_and_training() -> None:
+    from agentrl.refit import describe_views, gather_parameters
+
+    torch.manual_seed(0)
+    emb = torch.nn.Embedding(11, 6)
+    head = torch.nn.Linear(6, 11, bias=False)
+    head.weight = emb.weight  # tied
+    model = torch.nn.Sequential(emb, torch.nn.Linear(6, 6), torch.nn.LayerNorm(6), head)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    buf = gather_parameters(model)
+    assert model[0].weight is model[3].weight
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+        assert v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr(), k
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    loss = model(torch.tensor([[1, 2, 3]])).logsumexp(-1).sum()
+    loss.backward()
+    opt.step()
+    assert not torch.equal(model[1].weight, before["1.weight"])  # trained in place, inside the buffer
+    assert model[1].weight.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+    with pytest.raises(ValueError, match="not inside"):
+        describe_views(buf, {"stray": torch.zeros(3)})

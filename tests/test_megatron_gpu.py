@@ -39,10 +39,12 @@ def test_megatron_matches_hf_and_torch_learner(tmp_path: Path, family: str) -> N
     assert r["mega_vs_fp32_max"] < 2.0 * r["hfbf16_vs_fp32_max"] + 0.05, r
     assert r["first_token_zero"]
     assert r["optimizer_fused_built"] and r["optimizer_fused_loaded"], r  # no parameter-sized AdamW temporary
+    assert r["dist_backend"] == "agentrl_solo", r  # one process: no NCCL communicator (megatron/solo.py)
     # save -> step -> load restores weights exactly, the step counter and the optimizer state:
     # the step after the reload repeats the step after the save.
     assert r["weights_changed"] and r["reload_max_diff"] == 0.0 and r["reload_version"] == 1
     assert r["export_equals_checkpoint"]
+    assert r["zero_copy_equals_export"], r  # refit.zero_copy: the engine's views are the exported weights
     assert abs(r["resumed_step_loss"] - r["first_step2_loss"]) <= 1e-3 * max(1.0, abs(r["first_step2_loss"])), r
     assert abs(r["resumed_step_grad_norm"] - r["first_step2_grad_norm"]) <= 1e-2 * r["first_step2_grad_norm"], r
     assert r["resumed_step_lp_max_diff"] < 0.1 * r["step2_lp_change"], r

@@ -192,3 +192,77 @@ print("ok")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
                           cwd=Path(__file__).resolve().parents[1])
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_readers_guard_holds_the_optimizer_step_until_the_release() -> None:
+    """refit.zero_copy: the optimizer step waits while engines read the parameters in place."""
+    import threading
+    import time as _time
+
+    from agentrl.refit import ReadersGuard
+
+    guard = ReadersGuard(timeout_s=5.0)
+    assert guard.wait() < 0.5  # nothing being read
+    guard.begin(3)
+    assert not guard.end(2)  # a late release of an older export does not end this one's reading
+    timer = threading.Timer(0.3, guard.end, args=(3,))
+    timer.start()
+    t0 = _time.perf_counter()
+    waited = guard.wait()
+    assert 0.2 < waited and _time.perf_counter() - t0 >= 0.25
+    short = ReadersGuard(timeout_s=0.05)
+    short.begin(7)
+    with pytest.raises(TimeoutError, match="export 7"):
+        short.wait()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_zero_copy_refit_another_process_reads_the_parameters_in_place():
+    # refit.zero_copy on the GPU: parameters gathered into one plain buffer (expandable segments on,
+    # as learner.expandable_segments sets them), shared by one CUDA IPC handle; another process
+    # rebuilds the strided views (a transposed one included) and sees every value, and a later
+    # in-place update without sending anything new.
+    import subprocess
+    import sys
+
+    code = r'''
+import subprocess, sys
+import torch
+from agentrl.refit import LazyReshape, describe_views, gather_parameters, ipc_handle, plain_allocations
+torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)).cuda().to(torch.bfloat16)
+with plain_allocations():
+    buf = gather_parameters(model)
+views = {"a.weight": model[0].weight, "a.bias": model[0].bias, "b.weight_t": LazyReshape(model[1].weight.t(), (96, 64))}
+spec = describe_views(buf, views)
+from agentrl.refit import spec_to_bytes
+import pickle
+torch.cuda.synchronize()
+child = r"""
+import pickle, sys, torch
+from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+handle, spec = pickle.loads(sys.stdin.buffer.read())
+buf = open_ipc_handle(handle)
+print(" ".join(f"{n}:{float(t.float().sum()):.4f}:{tuple(t.shape)}".replace(" ", "") for n, t in unflatten_weights(buf, spec_from_bytes(spec))))
+"""
+def read():
+    out = subprocess.run([sys.executable, "-c", child], input=pickle.dumps((ipc_handle(buf), spec_to_bytes(spec))),
+                         capture_output=True, check=True)
+    return out.stdout.decode().split()
+def expect():
+    return [f"{n}:{float(t.float().sum()):.4f}:{tuple(t.shape)}".replace(" ", "") for n, t in
+            [("a.weight", model[0].weight), ("a.bias", model[0].bias), ("b.weight_t", model[1].weight.t().reshape(96, 64))]]
+assert read() == expect(), (read(), expect())
+with torch.no_grad():
+    model[1].weight.mul_(2)
+torch.cuda.synchronize()
+assert read() == expect()
+print("ok")
+'''
+    from pathlib import Path
+
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -78,14 +78,14 @@ def make_trajectories(seed: int = 0) -> list:
     return groups
 
 
-def config(model_dir: Path, tp: int = 1, attention: str = "flex"):
+def config(model_dir: Path, tp: int = 1, attention: str = "flex", zero_copy: bool = False):
     from agentrl.config import load_config
 
     return load_config(None, [
         f"model.path={model_dir}", "model.dtype=bfloat16", "learner.backend=megatron", f"learner.num_gpus={tp}",
         f"learner.megatron.tensor_parallel_size={tp}", f"learner.megatron.attention={attention}",
         "packing.max_tokens_per_microbatch=4096", "rollout.max_total_tokens=2048", "engine.max_model_len=4096",
-        "rollout.temperature=0.9", "learner.lr=1e-4",
+        "rollout.temperature=0.9", "learner.lr=1e-4", f"refit.zero_copy={str(zero_copy).lower()}",
     ])
 
 
@@ -112,7 +112,8 @@ def check_hf(args: argparse.Namespace) -> dict:
     model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
     groups = make_trajectories()
     trajs = [t for g in groups for t in g.trajectories]
-    cfg = config(model_dir, attention=args.attention)
+    # the parameters gathered into one buffer (refit.zero_copy): every step, save and load below runs on them
+    cfg = config(model_dir, attention=args.attention, zero_copy=True)
     temp = cfg.rollout.temperature
     ref32 = hf_logprobs(model_dir, trajs, torch.float32, temp)
     ref16 = hf_logprobs(model_dir, trajs, torch.bfloat16, temp)
@@ -160,6 +161,14 @@ def check_hf(args: argparse.Namespace) -> dict:
     exported = learner.export_weights()
     res["export_equals_checkpoint"] = sorted(exported) == sorted(saved) and all(
         torch.equal(exported[k], saved[k]) for k in exported)
+    # zero-copy refit: the views of the parameter buffer, as the engine rebuilds them, are the export
+    from agentrl.refit import describe_views, unflatten_weights
+
+    buf, views = learner.export_views()
+    rebuilt = dict(unflatten_weights(buf, describe_views(buf, views)))
+    res["zero_copy_equals_export"] = sorted(rebuilt) == sorted(exported) and all(
+        torch.equal(rebuilt[k].cpu(), exported[k]) for k in exported)
+    res["zero_copy_buffer_gib"] = round(buf.numel() / 2**30, 3)
     # Same batch through the torch learner (HF model, same loss).
     torch_learner = TorchLearner(cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"num_gpus": 1})}),
                                  device="cuda")
@@ -167,6 +176,12 @@ def check_hf(args: argparse.Namespace) -> dict:
     for k in ("train/loss", "train/grad_norm"):
         res[f"megatron {k}"], res[f"torch {k}"] = m_metrics[k], t_metrics[k]
     res["megatron_metrics"] = m_metrics
+    # one process: torch.distributed without NCCL (agentrl.learners.megatron.solo), and what the
+    # driver counts for this process beyond its allocator after the steps (NCCL's buffers were here)
+    from agentrl.learners.common import PEAKS
+
+    res["dist_backend"] = torch.distributed.get_backend()
+    res["outside_allocator_gib"] = {k: round(v, 3) for k, v in PEAKS.report().items() if k.startswith("outside_")}
     return res
 
 

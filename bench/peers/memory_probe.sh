@@ -1,33 +1,36 @@
 #!/usr/bin/env bash
 # Where agentrl's GPU memory goes at TRL's memory settings (issue 29), after the three-call carry:
-# the GPU tests of the memory tools, then agentrl:multi:memory with NCCL's communicators made eagerly
-# (as before 2026-11-28), lazily (the default now), and lazily with the refit through the object
-# store (no CUDA IPC): each run's result (learner_memory_gib: allocator peaks by phase, `outside_*`
-# = the driver's count for the learner's process beyond its allocator; engine_memory_gib;
-# gpu_processes_gib) under $OUT/<run>/peers.json.
-#   bash bench/peers/memory_probe.sh [eager] [lazy] [object_store] [shared] [expandable] [netshared0]
-# (default: eager lazy object_store). shared: eager communicators split from the world's with
-# NCCL_COMM_SPLIT_SHARE_RESOURCES=1 (one set of NCCL buffers for every group); expandable: lazy, with
-# learner.expandable_segments (the learner's allocator in expandable segments); netshared0: lazy with
-# NCCL_NET_SHARED_BUFFERS=0 (a one-rank communicator allocated a 512 MiB NET shared pool: NVIDIA/nccl
-# issue 2363).
+# the GPU tests of the memory tools, then agentrl:multi:memory once per variant; each run's result
+# (learner_memory_gib: allocator peaks by phase, `outside_*` = the driver's count for the learner's
+# process beyond its allocator; engine_memory_gib; gpu_processes_gib) under $OUT/<run>/peers.json.
+#   bash bench/peers/memory_probe.sh [solo] [copy] [expandable] [lazy] [eager] [shared] [netshared0] [object_store]
+# (default: solo copy lazy). solo: the defaults of the memory setting (a one-rank learner without
+# NCCL, agentrl/learners/megatron/solo.py; refit.zero_copy); copy: the refit through a flat export
+# buffer (refit.zero_copy=false); expandable: solo with learner.expandable_segments; lazy / eager:
+# the one-rank learner on NCCL (AGENTRL_ONE_RANK_NCCL=1), communicators made lazily / eagerly;
+# shared: eager, split communicators sharing the parent's resources (NCCL_COMM_SPLIT_SHARE_RESOURCES);
+# netshared0: lazy with NCCL_NET_SHARED_BUFFERS=0 (a one-rank communicator allocated a 512 MiB NET
+# shared pool: NVIDIA/nccl issue 2363); object_store: the refit through Ray's object store.
 # PROBE_TESTS=0 skips the tests; RUN_TIMEOUT (s, default 300) bounds each run: the first run on a fresh
 # machine makes the random 1.5B model too (~245 s in all on the H200; 175 s cut every run short).
 set -o pipefail
 source bench/device_env.sh memory_probe
 root=$OUT
 [ "${PROBE_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_optim.py tests/test_torch_learner.py \
-  tests/test_refit.py tests/test_megatron_logprobs.py -k "fused or peaks or plain or main_grad" 2>&1 \
+  tests/test_refit.py tests/test_megatron_logprobs.py -k "fused or peaks or plain or main_grad or zero_copy" 2>&1 \
   | grep -v "Warn\|warn(\|DEBUG" | tail -4
-for run in ${@:-eager lazy object_store}; do
+for run in ${@:-solo copy lazy}; do
   args="--steps ${PROBE_STEPS:-3}"
+  nccl="AGENTRL_ONE_RANK_NCCL=1 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT"  # the log names each communicator NCCL makes
   case $run in
-    eager) env="AGENTRL_NCCL_EAGER_INIT=1 VLLM_LOGGING_LEVEL=INFO" ;;
-    lazy) env="NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT" ;;  # the log names each communicator NCCL makes
-    object_store) env=""; args="$args --set refit.transport=object_store" ;;
-    shared) env="AGENTRL_NCCL_EAGER_INIT=1 NCCL_COMM_SPLIT_SHARE_RESOURCES=1 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT" ;;  # split communicators share the parent's
+    solo) env="" ;;
+    copy) env=""; args="$args --set refit.zero_copy=false" ;;
     expandable) env=""; args="$args --set learner.expandable_segments=true" ;;
-    netshared0) env="NCCL_NET_SHARED_BUFFERS=0 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT" ;;  # no NET shared pool (NCCL issue 2363)
+    lazy) env="$nccl" ;;
+    eager) env="$nccl AGENTRL_NCCL_EAGER_INIT=1" ;;
+    shared) env="$nccl AGENTRL_NCCL_EAGER_INIT=1 NCCL_COMM_SPLIT_SHARE_RESOURCES=1" ;;  # split communicators share the parent's
+    netshared0) env="$nccl NCCL_NET_SHARED_BUFFERS=0" ;;  # no NET shared pool (NCCL issue 2363)
+    object_store) env=""; args="$args --set refit.transport=object_store" ;;
     *) echo "memory_probe: unknown run '$run'"; exit 2 ;;
   esac
   env $env OUT=$root/$run RUN_TIMEOUT=${RUN_TIMEOUT:-300} PEER_ARGS="$args" bash bench/peers/device.sh agentrl:multi:memory \

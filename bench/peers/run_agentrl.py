@@ -12,7 +12,8 @@ Settings:
                generate, then train, then refit, one after the other).
   memory       `like` at TRL's recommended memory settings, for the peak-memory comparison: vLLM's
                share of the GPU is TRL's (0.3) and the learner recomputes activations
-               (megatron.activation_checkpointing, as TRL's gradient checkpointing does).
+               (megatron.activation_checkpointing, as TRL's gradient checkpointing does); a refit
+               reads the learner's parameters in place (refit.zero_copy).
 Every setting samples and trains over the tokenizer's ids only (`model.tokenizer_vocab_only`), as
 verl does (TRL does not): the random model's 151,936-row head has ~0.5 % of its mass on the
 tokenizer's 749 ids.
@@ -82,7 +83,9 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
         out += [f"colocate.engine_sleep={'true' if colocated else 'false'}",
                 f"engine.gpu_memory_utilization={0.25 if colocated else engine_mem}", "cluster.num_cpus=14"]
         if setting == "memory":
-            out.append("learner.megatron.activation_checkpointing=true")
+            # recompute as TRL's gradient checkpointing; the engines read the learner's parameters
+            # in place at each refit (no model-sized export buffer: TRL loads vLLM tensor by tensor)
+            out += ["learner.megatron.activation_checkpointing=true", "refit.zero_copy=true"]
     return out + list(args.set)
 
 
@@ -147,6 +150,10 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
         res.extra["step_walls_s"] = [round(w, 3) for w in walls]
         res.extra["learner_peaks_by_step_gib"] = [{k.removeprefix("memory/peak_").removesuffix("_gib"): round(v, 3)
                                                    for k, v in m.items() if k.startswith("memory/peak_")} for m in rows]
+        # the engine's sampling logprobs against the learner's for the same tokens, each step: a refit
+        # that left the engine other weights than the learner's shows here first
+        res.extra["kl_behavior_prox_by_step"] = [round(m["train/kl_behavior_prox"], 6) for m in rows
+                                                 if "train/kl_behavior_prox" in m]
     busy_from = stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0
     return close_result(res, sampler, busy_from, args.steps)
 

@@ -20,6 +20,7 @@ maps them onto one pipeline stage's local indices.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -148,11 +149,22 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, tp_size: i
     return out
 
 
-def megatron_to_hf(mc: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
+def megatron_to_hf(mc: dict[str, torch.Tensor], shape: ModelShape, *, lazy: bool = False) -> dict[str, Any]:
     """HF-named tensors from a full Megatron state dict (global layer indices, any vocab padding).
 
-    Tied models get no ``lm_head.weight`` (as ``save_pretrained`` writes them).
+    Tied models get no ``lm_head.weight`` (as ``save_pretrained`` writes them). Every tensor is a
+    view of ``mc``'s but q, k and v (and their biases), which a reshape copies out of the
+    interleaved QKV weight; ``lazy``: those come as :class:`agentrl.refit.LazyReshape` of the
+    view instead (a zero-copy refit: the engine reshapes).
     """
+    from agentrl.refit import LazyReshape
+
+    def reshape(t: torch.Tensor, *size: int) -> Any:
+        if not lazy:
+            return t.reshape(*size)
+        known = math.prod(n for n in size if n != -1)
+        return LazyReshape(t, tuple(t.numel() // known if n == -1 else n for n in size))
+
     ng, hd, hpg, h = shape.num_kv_heads, shape.head_dim, shape.heads_per_group, shape.hidden_size
     V = shape.vocab_size
     out: dict[str, torch.Tensor] = {"model.embed_tokens.weight": mc["embedding.word_embeddings.weight"][:V]}
@@ -161,15 +173,15 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, 
         attn = dst + "self_attn."
         qkv = mc[src + "self_attention.linear_qkv.weight"].reshape(ng, (hpg + 2) * hd, h)
         q, k, v = qkv.split([hpg * hd, hd, hd], dim=1)
-        out[attn + "q_proj.weight"] = q.reshape(-1, h)
-        out[attn + "k_proj.weight"] = k.reshape(-1, h)
-        out[attn + "v_proj.weight"] = v.reshape(-1, h)
+        out[attn + "q_proj.weight"] = reshape(q, -1, h)
+        out[attn + "k_proj.weight"] = reshape(k, -1, h)
+        out[attn + "v_proj.weight"] = reshape(v, -1, h)
         if shape.qkv_bias:
             b = mc[src + "self_attention.linear_qkv.bias"].reshape(ng, (hpg + 2) * hd)
             qb, kb, vb = b.split([hpg * hd, hd, hd], dim=1)
-            out[attn + "q_proj.bias"] = qb.reshape(-1)
-            out[attn + "k_proj.bias"] = kb.reshape(-1)
-            out[attn + "v_proj.bias"] = vb.reshape(-1)
+            out[attn + "q_proj.bias"] = reshape(qb, -1)
+            out[attn + "k_proj.bias"] = reshape(kb, -1)
+            out[attn + "v_proj.bias"] = reshape(vb, -1)
         if shape.qk_norm:
             out[attn + "q_norm.weight"] = mc[src + "self_attention.q_layernorm.weight"]
             out[attn + "k_norm.weight"] = mc[src + "self_attention.k_layernorm.weight"]

@@ -49,6 +49,8 @@ from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, padd
 from agentrl.packing import to_device as _to_device
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from agentrl.config import Config
     from agentrl.trajectory import Trajectory, TrajectoryGroup
 
@@ -125,8 +127,12 @@ class MegatronLearner:
                 self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
         del hf_state
+        self.param_buffer = self._gather_parameters() if cfg.refit.zero_copy else None
         PEAKS.note("model")
         self.ddp, self.optimizer = build_ddp_and_optimizer(self.model, cfg.learner)
+        # A zero-copy refit's engines read the parameters in place: the actor sets this to wait for
+        # them (their release) before the optimizer step writes the parameters.
+        self.before_optimizer_step: Callable[[], None] | None = None
         self.graphs = None
         if mcfg.cuda_graphs:
             from agentrl.learners.megatron.graphs import DecoderGraphs
@@ -134,6 +140,36 @@ class MegatronLearner:
             self.graphs = DecoderGraphs(self.model)
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         self.version = 0
+
+    def _gather_parameters(self) -> torch.Tensor:
+        """refit.zero_copy: the model's parameters moved into one flat buffer (agentrl.refit.
+        gather_parameters), the memory the engines read a refit from, so no model-sized export
+        buffer is made (2.9 GiB at 1.5B, the learner's peak at TRL's memory settings)."""
+        from agentrl.refit import gather_parameters, plain_allocations
+
+        lay, mcfg = self.layout, self.cfg.learner.megatron
+        if lay.tp != 1 or lay.pp != 1 or mcfg.use_distributed_optimizer or self.cfg.learner.lora.rank:
+            raise ValueError(
+                "refit.zero_copy shares the learner's parameters as they lie, which needs the whole model "
+                f"in one process (tensor_parallel_size 1, pipeline_parallel_size 1; here {lay.tp}, {lay.pp}), "
+                "learner.megatron.use_distributed_optimizer=false (it moves the parameters into buffers of "
+                "its own) and no LoRA; set refit.zero_copy=false")
+        with plain_allocations(self.cfg.learner.expandable_segments):  # CUDA IPC needs plain segments
+            buffer = gather_parameters(self.model)
+        torch.cuda.empty_cache()  # the parameters' old blocks go back to the device
+        return buffer
+
+    def export_views(self) -> tuple[torch.Tensor, dict[str, Any]]:
+        """(the parameter buffer, HF-named views into it) for a zero-copy refit; q, k and v come as
+        :class:`agentrl.refit.LazyReshape` (the engine reshapes them)."""
+        from agentrl.learners.megatron.convert import globalize_layers, megatron_to_hf
+        from agentrl.learners.megatron.weights import _model_tensors, stage_layer_range
+
+        if self.param_buffer is None:
+            raise RuntimeError("export_views needs refit.zero_copy=true (the parameters in one buffer)")
+        first, _ = stage_layer_range(self.model)
+        stage = globalize_layers(_model_tensors(self.model), first, drop_tied_copy=False)
+        return self.param_buffer, megatron_to_hf(stage, self.shape, lazy=True)
 
     # ------------------------------------------------------------------ building and data
     def _build(self) -> Any:
@@ -305,6 +341,8 @@ class MegatronLearner:
         longest = max((sum(padded_length(len(samples[i]), pm) for i in ix) for ix in plan), default=1) + self._pad_to
         with record_function("agentrl.forward_backward"), PEAKS.phase("forward_backward"):
             store = self._run(self.ddp, mbs, loss_fn, forward_only=False, num_microbatches=len(plan), seq_length=longest)
+        if self.before_optimizer_step is not None:
+            self.before_optimizer_step()
         with record_function("agentrl.optimizer"), PEAKS.phase("optimizer"):
             _, grad_norm, _ = self.optimizer.step() if samples else (True, 0.0, None)
         self.version += 1

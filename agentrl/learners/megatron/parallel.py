@@ -1,6 +1,7 @@
 """Parallelism for the Megatron learner, composed in one ordered place.
 
-Order: torch.distributed (NCCL, one process per GPU) -> ``parallel_state`` (TP x PP x CP x DP) ->
+Order: torch.distributed (NCCL, one process per GPU; a world of one: ``solo``, no NCCL) ->
+``parallel_state`` (TP x PP x CP x DP) ->
 model-parallel RNG -> model on this rank's stage -> HF weights -> Megatron DDP -> (distributed)
 optimizer -> schedule hooks (grad sync, finalize).
 
@@ -21,7 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ParallelLayout", "build_ddp_and_optimizer", "init_distributed", "init_parallel_state"]
+__all__ = ["ParallelLayout", "build_ddp_and_optimizer", "init_distributed", "init_parallel_state",
+           "start_process_group"]
 
 
 @dataclass(frozen=True)
@@ -60,17 +62,39 @@ def init_distributed(*, rank: int | None = None, world_size: int | None = None, 
     world_size = int(_env(world_size, "WORLD_SIZE", 1))
     local_rank = int(_env(local_rank, "LOCAL_RANK", rank % torch.cuda.device_count()))
     torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
-        os.environ["MASTER_ADDR"] = str(_env(master_addr, "MASTER_ADDR", "127.0.0.1"))
-        os.environ["MASTER_PORT"] = str(_env(master_port, "MASTER_PORT", 29500))
-        # No device_id: NCCL communicators are made lazily, for the groups a collective uses; with
-        # device_id torch may make them eagerly for every group Megatron creates (a few dozen).
-        # AGENTRL_NCCL_EAGER_INIT=1 restores the eager start (for measuring the difference).
-        eager = os.environ.get("AGENTRL_NCCL_EAGER_INIT", "0") == "1"
-        dist.init_process_group(backend or "nccl", rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s),
-                                **({"device_id": torch.device("cuda", local_rank)} if eager else {}))
+    start_process_group(rank=rank, world_size=world_size, device=torch.device("cuda", local_rank),
+                        master_addr=master_addr, master_port=master_port, backend=backend, timeout_s=timeout_s)
     return torch.device("cuda", local_rank)
+
+
+def start_process_group(*, rank: int, world_size: int, device: torch.device | None = None,
+                        master_addr: str | None = None, master_port: int | None = None,
+                        backend: str | None = None, timeout_s: float = 1800.0) -> str:
+    """``init_process_group`` unless already started; returns the default group's backend.
+
+    A world of one process gets :mod:`agentrl.learners.megatron.solo` (every collective is its
+    one-rank result, no NCCL communicator: each held its own buffers, 2.4 GiB outside the allocator
+    on the H200); ``AGENTRL_ONE_RANK_NCCL=1`` keeps NCCL there, for measuring the difference. More
+    processes get NCCL, its communicators made lazily: with ``device_id`` torch may make them
+    eagerly for every group Megatron creates (a few dozen); ``AGENTRL_NCCL_EAGER_INIT=1`` restores
+    the eager start.
+    """
+    if dist.is_initialized():
+        return str(dist.get_backend())
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if world_size == 1 and backend is None and os.environ.get("AGENTRL_ONE_RANK_NCCL", "0") != "1":
+        from agentrl.learners.megatron.solo import register
+
+        if rank != 0:
+            raise ValueError(f"rank {rank} in a world of one process")
+        dist.init_process_group(register(), store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return str(dist.get_backend())
+    os.environ["MASTER_ADDR"] = str(_env(master_addr, "MASTER_ADDR", "127.0.0.1"))
+    os.environ["MASTER_PORT"] = str(_env(master_port, "MASTER_PORT", 29500))
+    eager = os.environ.get("AGENTRL_NCCL_EAGER_INIT", "0") == "1" and device is not None
+    dist.init_process_group(backend or "nccl", rank=rank, world_size=world_size, timeout=timeout,
+                            **({"device_id": device} if eager else {}))
+    return str(dist.get_backend())
 
 
 def init_parallel_state(mcfg: Any, seed: int = 0) -> ParallelLayout:
