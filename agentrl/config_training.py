@@ -142,10 +142,11 @@ class RefitConfig(Section):
     resume them on the new weights (each token records the version that made it)."""
     zero_copy: bool = False
     """cuda_ipc with the Megatron learner: the engines read the learner's parameters where they lie
-    (gathered into one buffer at start-up) instead of a flat copy made for each refit: no
-    model-sized export buffer (2.9 GB at 1.5B in bf16, the learner's memory peak when the engine is
-    resident) and no copy. The learner's optimizer step waits until every engine has loaded. Needs
-    tensor_parallel_size and pipeline_parallel_size 1, use_distributed_optimizer false, no LoRA."""
+    (the distributed optimizer's contiguous parameter buffer, or one buffer they are gathered into
+    at start-up without it) instead of a flat copy made for each refit: no model-sized export
+    buffer (2.9 GB at 1.5B in bf16, the learner's memory peak when the engine is resident) and no
+    copy. The learner's optimizer step waits until every engine has loaded. Needs
+    tensor_parallel_size and pipeline_parallel_size 1 and full fine-tuning (no LoRA)."""
 
 
 class ColocateConfig(Section):

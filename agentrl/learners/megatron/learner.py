@@ -127,9 +127,18 @@ class MegatronLearner:
                 self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.requires_grad_(False)
         del hf_state
-        self.param_buffer = self._gather_parameters() if cfg.refit.zero_copy else None
+        zero_copy = bool(cfg.refit.zero_copy)
+        if zero_copy:
+            self._check_zero_copy()
+        gathered = self._gather_parameters() if zero_copy and not mcfg.use_distributed_optimizer else None
         PEAKS.note("model")
-        self.ddp, self.optimizer = build_ddp_and_optimizer(self.model, cfg.learner)
+        from agentrl.refit import plain_allocations
+
+        # zero-copy with the distributed optimizer: its parameter buffer is what the engines open
+        # (CUDA IPC needs plain segments where the allocator maps expandable ones)
+        with plain_allocations(zero_copy and mcfg.use_distributed_optimizer and cfg.learner.expandable_segments):
+            self.ddp, self.optimizer = build_ddp_and_optimizer(self.model, cfg.learner)
+        self.param_buffer = (gathered if gathered is not None else self._ddp_parameter_buffer()) if zero_copy else None
         # A zero-copy refit's engines read the parameters in place: the actor sets this to wait for
         # them (their release) before the optimizer step writes the parameters.
         self.before_optimizer_step: Callable[[], None] | None = None
@@ -141,23 +150,36 @@ class MegatronLearner:
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
         self.version = 0
 
+    def _check_zero_copy(self) -> None:
+        lay = self.layout
+        if lay.tp != 1 or lay.pp != 1 or self.cfg.learner.lora.rank:
+            raise ValueError(
+                "refit.zero_copy shares the learner's parameters as they lie, which needs the whole model in "
+                f"each process (tensor_parallel_size 1 and pipeline_parallel_size 1; here {lay.tp} and {lay.pp}) "
+                "and full fine-tuning (no learner.lora); set refit.zero_copy=false")
+
     def _gather_parameters(self) -> torch.Tensor:
-        """refit.zero_copy: the model's parameters moved into one flat buffer (agentrl.refit.
-        gather_parameters), the memory the engines read a refit from, so no model-sized export
-        buffer is made (2.9 GiB at 1.5B, the learner's peak at TRL's memory settings)."""
+        """refit.zero_copy without the distributed optimizer: the model's parameters moved into one
+        flat buffer (agentrl.refit.gather_parameters), the memory the engines read a refit from, so
+        no model-sized export buffer is made (2.9 GiB at 1.5B, the learner's memory peak at TRL's
+        memory settings)."""
         from agentrl.refit import gather_parameters, plain_allocations
 
-        lay, mcfg = self.layout, self.cfg.learner.megatron
-        if lay.tp != 1 or lay.pp != 1 or mcfg.use_distributed_optimizer or self.cfg.learner.lora.rank:
-            raise ValueError(
-                "refit.zero_copy shares the learner's parameters as they lie, which needs the whole model "
-                f"in one process (tensor_parallel_size 1, pipeline_parallel_size 1; here {lay.tp}, {lay.pp}), "
-                "learner.megatron.use_distributed_optimizer=false (it moves the parameters into buffers of "
-                "its own) and no LoRA; set refit.zero_copy=false")
         with plain_allocations(self.cfg.learner.expandable_segments):  # CUDA IPC needs plain segments
             buffer = gather_parameters(self.model)
         torch.cuda.empty_cache()  # the parameters' old blocks go back to the device
         return buffer
+
+    def _ddp_parameter_buffer(self) -> torch.Tensor:
+        """refit.zero_copy with the distributed optimizer: Megatron's DDP already keeps the bf16
+        parameters in one contiguous buffer (each rank holds all of them; only the fp32 master
+        weights and Adam's moments are sharded): the engines read that one, as bytes."""
+        buffers = [b.param_data for b in list(self.ddp.buffers) + list(self.ddp.expert_parallel_buffers)
+                   if b.param_data is not None]
+        if len(buffers) != 1:
+            raise ValueError(f"refit.zero_copy: Megatron's DDP made {len(buffers)} parameter buffers (one per "
+                             "parameter dtype); one is needed. Set refit.zero_copy=false")
+        return buffers[0].view(-1).view(torch.uint8)
 
     def export_views(self) -> tuple[torch.Tensor, dict[str, Any]]:
         """(the parameter buffer, HF-named views into it) for a zero-copy refit; q, k and v come as
