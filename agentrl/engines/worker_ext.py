@@ -210,7 +210,11 @@ class WeightSyncExtension:
             return {}
         from agentrl.learners.common import cuda_memory_gib
 
-        return cuda_memory_gib()
+        out = cuda_memory_gib()
+        blocks = getattr(getattr(self, "cache_config", None), "num_gpu_blocks", None)
+        if blocks:  # the KV cache vLLM sized for itself (blocks of cache_config.block_size tokens)
+            out["kv_blocks"] = float(blocks)
+        return out
 
     def agentrl_weight_checksum(self) -> float:
         """Sum of all parameters (a cheap check that a refit changed the weights)."""

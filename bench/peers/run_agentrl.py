@@ -13,7 +13,8 @@ Settings:
   memory       `like` at TRL's recommended memory settings, for the peak-memory comparison: vLLM's
                share of the GPU is TRL's (0.3) and the learner recomputes activations
                (megatron.activation_checkpointing, as TRL's gradient checkpointing does); a refit
-               reads the learner's parameters in place (refit.zero_copy).
+               reads the learner's parameters in place (refit.zero_copy) and the learner's
+               allocator maps expandable segments (learner.expandable_segments).
 Every setting samples and trains over the tokenizer's ids only (`model.tokenizer_vocab_only`), as
 verl does (TRL does not): the random model's 151,936-row head has ~0.5 % of its mass on the
 tokenizer's 749 ids.
@@ -84,8 +85,11 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
                 f"engine.gpu_memory_utilization={0.25 if colocated else engine_mem}", "cluster.num_cpus=14"]
         if setting == "memory":
             # recompute as TRL's gradient checkpointing; the engines read the learner's parameters
-            # in place at each refit (no model-sized export buffer: TRL loads vLLM tensor by tensor)
-            out += ["learner.megatron.activation_checkpointing=true", "refit.zero_copy=true"]
+            # in place at each refit (no model-sized export buffer: TRL loads vLLM tensor by tensor);
+            # the learner's allocator in expandable segments (2.2 GiB less reserved beyond allocated
+            # at the step's peak, H200 2026-11-28)
+            out += ["learner.megatron.activation_checkpointing=true", "refit.zero_copy=true",
+                    "learner.expandable_segments=true"]
     return out + list(args.set)
 
 

@@ -46,6 +46,20 @@ from bench.peers.common import (
 )
 
 
+def _kv_blocks(trainer) -> int | None:
+    """The KV cache blocks TRL's colocated vLLM sized for itself (agentrl's engines report theirs
+    in engine_memory_gib: equal settings should give equal caches); None where it cannot be read."""
+    for path in ("llm", "vllm_generation.llm", "vllm_client.llm"):
+        obj = trainer
+        try:
+            for attr in path.split("."):
+                obj = getattr(obj, attr)
+            return int(obj.llm_engine.vllm_config.cache_config.num_gpu_blocks)
+        except (AttributeError, TypeError, ValueError):  # another TRL version keeps it elsewhere
+            pass
+    return None
+
+
 def always_a_tool_call(tokenizer) -> None:
     """Make the tokenizer parse any reply into one call of `lookup` (see common.py: a random model
     writes no tool-call syntax; agentrl's env reads every reply as the call in the same way)."""
@@ -149,6 +163,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
     sampler = GpuSampler().start()
     profiling.ProfilingContext._log_metrics = record
     t0 = time.perf_counter()
+    trainer = None
     try:
         trainer = GRPOTrainer(model=model, reward_funcs=make_reward(wl.new_tokens, completion_tokens), args=cfg,
                               train_dataset=as_dataset(rows), processing_class=tok, tools=tools or None,
@@ -162,6 +177,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
     finally:
         profiling.ProfilingContext._log_metrics = original
         sampler.stop()
+        res.extra["kv_blocks"] = _kv_blocks(trainer)
     if stamps:
         walls = [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
         seen = [lg.get("num_tokens", 0.0) for lg in log_rows]
