@@ -43,6 +43,12 @@ class EngineActor(AsyncDiag):
         cache = compile_cache_dir or os.path.join(tmp, "torchinductor")
         os.makedirs(cache, exist_ok=True)
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache
+        if cfg.expandable_segments and not enable_sleep_mode:
+            # read by torch in vLLM's engine-core process, which starts after this
+            conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+            os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(
+                [p for p in conf.split(",") if p and not p.startswith("expandable_segments")]
+                + ["expandable_segments:True"])
         self.engine = VLLMEngine(model_path, cfg, dtype=dtype, seed=seed, enable_sleep_mode=enable_sleep_mode,
                                  lora=lora, vocab_limit=vocab_limit)
         self.weight_source = weight_source

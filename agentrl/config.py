@@ -292,6 +292,9 @@ class Config(Section):
                     "(2 * context_parallel_size, times tensor_parallel_size with sequence_parallel)"
                 )
         co = self.colocate
+        if self.engine.expandable_segments and co.enabled and co.engine_sleep:
+            raise ValueError("engine.expandable_segments cannot run with colocate.engine_sleep=true: vLLM's sleep "
+                             "mode allocates through an allocator of its own (set one of them false)")
         if self.train.overlap_steps is True and co.enabled and co.engine_sleep:
             raise ValueError("train.overlap_steps=true cannot run with colocate.engine_sleep=true: the engines "
                              "sleep before every learner step, so no step can be queued ahead (use auto or false)")

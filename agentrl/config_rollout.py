@@ -225,6 +225,10 @@ class EngineConfig(Section):
     """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (CUDA engines only)."""
+    expandable_segments: bool = False
+    """The engine's CUDA allocator (vLLM's worker process) maps expandable segments: less memory
+    reserved beyond what it allocates (cf. learner.expandable_segments). Not with
+    colocate.engine_sleep: vLLM's sleep mode brings an allocator of its own."""
     enforce_eager: Literal["auto", True, False] = "auto"
     """Skip vLLM's compilation and CUDA-graph capture: a faster start, slower decoding. auto (the
     default): eager on CPU engines (engine.num_gpus 0), where compiling costs minutes; compiled

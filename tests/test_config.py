@@ -202,3 +202,10 @@ def test_overlap_steps_refused_with_sleeping_engines():
         load_config(None, ["train.overlap_steps=true", *gpu])
     assert load_config(None, ["train.overlap_steps=true", "colocate.engine_sleep=false", *gpu]).train.overlap_steps is True
     assert load_config(None, gpu).train.overlap_steps == "auto"  # auto resolves to off beside sleeping engines
+
+
+def test_engine_expandable_segments_refused_with_sleeping_engines():
+    gpu = ["colocate.enabled=true", "engine.num_gpus=0.5", "learner.num_gpus=1", "engine.expandable_segments=true"]
+    with pytest.raises(ConfigError, match="engine.expandable_segments cannot run with colocate.engine_sleep"):
+        load_config(None, gpu)
+    assert load_config(None, [*gpu, "colocate.engine_sleep=false"]).engine.expandable_segments is True

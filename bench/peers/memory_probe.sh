@@ -3,12 +3,13 @@
 # the GPU tests of the memory tools, then agentrl:multi:memory once per variant; each run's result
 # (learner_memory_gib: allocator peaks by phase, `outside_*` = the driver's count for the learner's
 # process beyond its allocator; engine_memory_gib; gpu_processes_gib) under $OUT/<run>/peers.json.
-#   bash bench/peers/memory_probe.sh [solo] [copy] [expandable] [plain] [lazy] [eager] [shared] [netshared0] [object_store]
+#   bash bench/peers/memory_probe.sh [solo] [copy] [expandable] [plain] [engine_expandable] [lazy] [eager] [shared] [netshared0] [object_store]
 # (default: solo copy lazy). solo: the memory setting as it is (a one-rank learner without NCCL,
 # agentrl/learners/megatron/solo.py; refit.zero_copy; learner.expandable_segments); copy: the refit
 # through a flat export buffer (refit.zero_copy=false); expandable: the same as solo (the setting
 # has had expandable segments since 2026-11-28; before, solo had them off); plain: solo with
-# learner.expandable_segments=false; lazy / eager:
+# learner.expandable_segments=false; engine_expandable: solo with vLLM's allocator in expandable
+# segments too (engine.expandable_segments); lazy / eager:
 # the one-rank learner on NCCL (AGENTRL_ONE_RANK_NCCL=1), communicators made lazily / eagerly;
 # shared: eager, split communicators sharing the parent's resources (NCCL_COMM_SPLIT_SHARE_RESOURCES);
 # netshared0: lazy with NCCL_NET_SHARED_BUFFERS=0 (a one-rank communicator allocated a 512 MiB NET
@@ -25,10 +26,11 @@ for run in ${@:-solo copy lazy}; do
   args="--steps ${PROBE_STEPS:-3}"
   nccl="AGENTRL_ONE_RANK_NCCL=1 NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT"  # the log names each communicator NCCL makes
   case $run in
-    solo) env="" ;;
+    solo) env="VLLM_LOGGING_LEVEL=INFO" ;;  # vLLM's log gives its KV cache size
     copy) env=""; args="$args --set refit.zero_copy=false" ;;
     expandable) env=""; args="$args --set learner.expandable_segments=true" ;;
     plain) env=""; args="$args --set learner.expandable_segments=false" ;;
+    engine_expandable) env="VLLM_LOGGING_LEVEL=INFO"; args="$args --set engine.expandable_segments=true" ;;
     lazy) env="$nccl" ;;
     eager) env="$nccl AGENTRL_NCCL_EAGER_INIT=1" ;;
     shared) env="$nccl AGENTRL_NCCL_EAGER_INIT=1 NCCL_COMM_SPLIT_SHARE_RESOURCES=1" ;;  # split communicators share the parent's
