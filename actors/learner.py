@@ -59,6 +59,7 @@ class LearnerActor(SyncDiag):
 
         self._readers = ReadersGuard()  # refit.zero_copy: engines reading the parameters in place
         self.zero_copy_wait_s = 0.0  # how long optimizer steps waited for them, in all
+        self._zero_copy = bool(cfg.refit.zero_copy)
         if cfg.refit.zero_copy:
             if not hasattr(self.learner, "export_views"):
                 raise ValueError("refit.zero_copy needs learner.backend=megatron (the torch learner copies "
@@ -71,7 +72,10 @@ class LearnerActor(SyncDiag):
     @_busy
     def train_step(self, groups) -> dict[str, float]:
         t0 = time.perf_counter()
+        waited = self.zero_copy_wait_s
         out = self.learner.train_step(groups)
+        if self._zero_copy:  # refit.zero_copy: the optimizer step's wait for the engines' release
+            out["timing/refit_readers_wait"] = self.zero_copy_wait_s - waited
         # idle: since the learner's last call ended (waiting for this batch, or for the driver)
         out["timing/learner_idle"] = t0 - self._idle_since if self._idle_since is not None else 0.0
         out["timing/learner_busy"] = time.perf_counter() - t0
