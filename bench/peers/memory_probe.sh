@@ -14,8 +14,8 @@
 # shared: eager, split communicators sharing the parent's resources (NCCL_COMM_SPLIT_SHARE_RESOURCES);
 # netshared0: lazy with NCCL_NET_SHARED_BUFFERS=0 (a one-rank communicator allocated a 512 MiB NET
 # shared pool: NVIDIA/nccl issue 2363); object_store: the refit through Ray's object store.
-# PROBE_TESTS=0 skips the tests; RUN_TIMEOUT (s, default 300) bounds each run: the first run on a fresh
-# machine makes the random 1.5B model too (~245 s in all on the H200; 175 s cut every run short).
+# PROBE_TESTS=0 skips the tests; RUN_TIMEOUT (s, default 360) bounds each run: the first run on a fresh
+# machine makes the random 1.5B model too (~245-270 s in all on the H200; 175 and 270 s cut runs short).
 set -o pipefail
 source bench/device_env.sh memory_probe
 root=$OUT
@@ -38,7 +38,7 @@ for run in ${@:-solo copy lazy}; do
     object_store) env=""; args="$args --set refit.transport=object_store" ;;
     *) echo "memory_probe: unknown run '$run'"; exit 2 ;;
   esac
-  env $env OUT=$root/$run RUN_TIMEOUT=${RUN_TIMEOUT:-300} PEER_ARGS="$args" bash bench/peers/device.sh agentrl:multi:memory \
+  env $env OUT=$root/$run RUN_TIMEOUT=${RUN_TIMEOUT:-360} PEER_ARGS="$args" bash bench/peers/device.sh agentrl:multi:memory \
     | grep "^RESULT\|exited" | cut -c1-300
   echo "$run: NCCL communicators made (lines 'Init COMPLETE' in the log): $(grep -c 'Init COMPLETE' "$root/$run/agentrl-multi.log" 2>/dev/null)"
   python3 - "$root/$run/peers.json" <<'PY' || true
