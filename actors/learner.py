@@ -125,13 +125,13 @@ class LearnerActor(SyncDiag):
             # and the next optimizer step waits for their release (ReadersGuard).
             from agentrl.refit import describe_views
 
+            if self.rank != 0:  # every rank holds the whole model (TP and PP 1): rank 0's is read
+                return None
             with PEAKS.phase("refit_export"):
                 buf, views = self.learner.export_views()
                 spec = describe_views(buf, views)
                 del views
             torch.cuda.synchronize()  # the last optimizer step's writes land before another process reads
-            if self.rank != 0:
-                return None
             self._readers.begin(generation)
             return RefitPayload(transport, spec_to_bytes(spec), ipc_handle(buf), generation=generation)
         device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -22,8 +22,7 @@ from agentrl.learners.megatron.solo import BACKEND, SoloProcessGroup
 @pytest.fixture(scope="module")
 def solo_world():
     """The solo backend as this process's default group, and a gloo group of the same one rank."""
-    if dist.is_initialized():
-        pytest.skip("torch.distributed already started in this process")
+    assert not dist.is_initialized(), "an earlier test left torch.distributed started in this process"
     assert parallel.start_process_group(rank=0, world_size=1) == BACKEND
     gloo = dist.new_group([0], backend="gloo")
     yield gloo
