@@ -225,6 +225,11 @@ class EngineConfig(Section):
     """KV-cache size per engine on CPU (VLLM_CPU_KVCACHE_SPACE)."""
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (CUDA engines only)."""
+    gpu_kv_cache_gib: float | None = Field(None, gt=0)
+    """KV-cache size per CUDA engine, in GiB (vLLM's kv_cache_memory_bytes): set, it replaces the
+    size vLLM derives from gpu_memory_utilization and what was free while it profiled, so the cache
+    (and the engine's memory) no longer depends on what else started on the GPU at the same time.
+    None: sized from gpu_memory_utilization."""
     expandable_segments: bool = False
     """The engine's CUDA allocator (vLLM's worker process) maps expandable segments: less memory
     reserved beyond what it allocates (cf. learner.expandable_segments). Not with

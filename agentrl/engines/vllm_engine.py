@@ -148,36 +148,32 @@ class VLLMEngine:
             # Set VLLM_ENABLE_V1_MULTIPROCESSING=1 to get the worker process back.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        extra = {}
-        if self.cfg.num_gpus == 0 and "enable_chunked_prefill" not in self.engine_args:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._llm = AsyncLLM.from_engine_args(AsyncEngineArgs(**self.engine_kwargs()))
+        if self.vocab_limit is not None:
+            await self._llm.collective_rpc("agentrl_limit_vocab", args=(int(self.vocab_limit),))
+
+    def engine_kwargs(self) -> dict:
+        """vLLM's ``AsyncEngineArgs`` for this engine: the config's, then ``engine_args`` on top."""
+        kwargs = dict(
+            model=self.model_path, dtype=self.dtype, seed=self.seed, max_model_len=self.cfg.max_model_len,
+            max_num_seqs=self.cfg.max_num_seqs, enforce_eager=self.cfg.enforce_eager,
+            gpu_memory_utilization=self.cfg.gpu_memory_utilization, logprobs_mode="processed_logprobs",
+            enable_prefix_caching=True, worker_extension_cls="agentrl.engines.worker_ext.WeightSyncExtension",
+            enable_sleep_mode=self.enable_sleep_mode, **self._lora_args())
+        if self.cfg.num_gpus == 0:
             # A prompt prefilled in chunks samples a token at each chunk and throws it away; for a
             # request with its own seed (`rollout.sampling_seed`, train.deterministic, an endpoint
             # client's `seed`) vLLM then rewinds the request's generator by its offset, which a
             # CPU generator does not have: "RuntimeError: CPU Generator does not use offset" kills
             # the engine (vLLM 0.32). Whole prompts per step never take that path.
-            extra["enable_chunked_prefill"] = False
-        from vllm import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        args = AsyncEngineArgs(
-            model=self.model_path,
-            dtype=self.dtype,
-            seed=self.seed,
-            max_model_len=self.cfg.max_model_len,
-            max_num_seqs=self.cfg.max_num_seqs,
-            enforce_eager=self.cfg.enforce_eager,
-            gpu_memory_utilization=self.cfg.gpu_memory_utilization,
-            logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True,
-            worker_extension_cls="agentrl.engines.worker_ext.WeightSyncExtension",
-            enable_sleep_mode=self.enable_sleep_mode,
-            **self._lora_args(),
-            **extra,
-            **self.engine_args,
-        )
-        self._llm = AsyncLLM.from_engine_args(args)
-        if self.vocab_limit is not None:
-            await self._llm.collective_rpc("agentrl_limit_vocab", args=(int(self.vocab_limit),))
+            kwargs["enable_chunked_prefill"] = False
+        elif self.cfg.gpu_kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(self.cfg.gpu_kv_cache_gib * 2**30)
+        kwargs.update(self.engine_args)
+        return kwargs
 
     def _lora_args(self) -> dict:
         if self.lora is None:
