@@ -218,3 +218,62 @@ def test_close_result_keeps_the_process_split_only_where_nvml_listed_processes()
     res = close_result(Result(system="agentrl", setting="memory", workload="multi", steps=1), quiet, None, 1)
     assert res.extra["gpu_processes_gib"] == {"peak": {"VLLM::EngineCore (7)": 42.0},
                                              "at_device_peak": {"VLLM::EngineCore (7)": 41.5}}
+
+
+def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monkeypatch):
+    """A run stopped by its call's time limit (the trainer turns SIGTERM into KeyboardInterrupt)
+    still writes a result, status "cut", with the figures of the timed steps it finished, before
+    the trainer's shutdown; the runner then exits non-zero."""
+    import agentrl.trainer
+    from bench.peers import run_agentrl
+    from bench.peers.common import harness_parser
+
+    events: list[str] = []
+
+    class StandIn:
+        def __init__(self, cfg, progress=True):
+            self.rollouts, self.engines = [], []
+            self.learner = types.SimpleNamespace(memory_report=types.SimpleNamespace(remote=lambda: 1 / 0))
+
+        def start(self):
+            events.append("start")
+
+        def _loop(self, logger):
+            for step in range(3):  # a warm-up step and two timed ones, then the signal
+                logger.log(step, {"train/num_tokens": 1000.0, "rollout/reward": 0.5 + step / 10,
+                                  "timing/refit": 0.25, "rollout/tokens_per_s": 100.0, "timing/step": 1.0})
+            raise KeyboardInterrupt("stopped by signal SIGTERM")
+
+        def shutdown(self):
+            events.append("shutdown:" + ("written" if (tmp_path / "out.json").is_file() else "nothing"))
+
+    monkeypatch.setattr(agentrl.trainer, "Trainer", StandIn)
+    args = harness_parser(run_agentrl.__doc__).parse_args(
+        ["--workload", "multi", "--workdir", str(tmp_path), "--out", str(tmp_path / "out.json"), "--steps", "5"])
+    args.cpu, args.engine_mem, args.set = True, 0.2, []
+    with pytest.raises(SystemExit, match="stopped by signal SIGTERM after 3 of 6 steps"):
+        run_agentrl.run_setting(args, WORKLOADS["multi"], str(tmp_path / "model"), str(tmp_path / "t.json"), "like")
+    (row,) = json.loads((tmp_path / "out.json").read_text())
+    assert row["status"] == "cut" and row["steps"] == 2 and row["reward_curve"] == [0.5, 0.6, 0.7]
+    assert row["trained_tokens_per_step"] == 1000.0 and row["trained_tokens_per_s_per_gpu"] > 0
+    assert row["weight_sync_s"] == 0.25 and "ZeroDivisionError" in row["extra"]["learner_memory_gib"]
+    assert events == ["start", "shutdown:written"]
+    assert "cut: stopped by signal SIGTERM after 3 of 6 steps" in table([row])
+
+
+def test_kv_blocks_become_the_engines_kv_cache_size(tmp_path):
+    """--kv-blocks N sets engine.gpu_kv_cache_gib to N blocks of the model's K and V (vLLM: 16
+    tokens a block); the Qwen2.5-1.5B shape holds 458,752 bytes a block."""
+    from pathlib import Path
+
+    from bench.peers import run_agentrl
+    from bench.peers.common import harness_parser
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_hidden_layers": 28, "hidden_size": 1536,
+                                                      "num_attention_heads": 12, "num_key_value_heads": 2}))
+    assert run_agentrl.kv_cache_gib(str(tmp_path), 1) * 2**30 == 458_752
+    args = harness_parser(run_agentrl.__doc__).parse_args(["--workload", "multi", "--workdir", str(tmp_path)])
+    args.cpu, args.engine_mem, args.set, args.kv_blocks = False, 0.2, [], 90_000
+    ovr = run_agentrl.overrides(args, WORKLOADS["multi"], str(tmp_path), str(tmp_path / "t.json"), "memory")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", ovr)
+    assert round(cfg.engine.gpu_kv_cache_gib * 2**30) == 90_000 * 458_752

@@ -90,7 +90,19 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
             # at the step's peak, H200 2026-11-28)
             out += ["learner.megatron.activation_checkpointing=true", "refit.zero_copy=true",
                     "learner.expandable_segments=true"]
+    if getattr(args, "kv_blocks", 0):
+        out.append(f"engine.gpu_kv_cache_gib={kv_cache_gib(model, args.kv_blocks)!r}")
     return out + list(args.set)
+
+
+def kv_cache_gib(model: str, blocks: int, block_tokens: int = 16, dtype_bytes: int = 2) -> float:
+    """The KV cache of ``blocks`` vLLM blocks of the model at ``model`` (a config.json's shape), in
+    GiB: what engine.gpu_kv_cache_gib needs for vLLM to make exactly that many (its default block
+    of 16 tokens, bf16 K and V of every layer)."""
+    c = json.loads((Path(model) / "config.json").read_text())
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    per_block = c["num_hidden_layers"] * 2 * c.get("num_key_value_heads", c["num_attention_heads"]) * head_dim
+    return blocks * per_block * block_tokens * dtype_bytes / 2**30
 
 
 def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setting: str) -> Result:
@@ -109,6 +121,8 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
     trainer.save_checkpoint = lambda: None  # a benchmark keeps no checkpoint (3 GB at this size)
     rows: list[dict] = []
     stamps: list[float] = []
+    t0 = time.perf_counter()
+    cut = ""
     sampler = GpuSampler().start()
     try:
         trainer.start()
@@ -120,46 +134,61 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
         for r in trainer.rollouts:
             r.stop.remote()
         del runs
+    except KeyboardInterrupt as exc:  # the trainer's SIGTERM (a device call's time limit) or Ctrl-C
+        cut = str(exc) or "interrupted"
+        # the figures are those of the timed steps it finished (bench/peers/README.md)
+        res.status, res.reason = "cut", f"{cut} after {len(rows)} of {args.warmup + args.steps} steps"
     except Exception as exc:  # out of memory or any failure: the table says so
         oom = "out of memory" in str(exc).lower() or "OutOfMemory" in type(exc).__name__ or "OOM" in str(exc)
         res.status, res.reason = ("oom" if oom else "error"), f"{type(exc).__name__}: {str(exc)[-600:]}"
         traceback.print_exc()
     finally:
         sampler.stop()
+        # a cut run has seconds left (`timeout -k`): its result is written before the slow shutdown
+        ask_s = 10 if cut else 120
         try:  # what the learner holds, by holder, and its allocator's peak (the memory goal's profile)
             res.extra["learner_memory_gib"] = {k: round(v, 3) for k, v in ray.get(
-                trainer.learner.memory_report.remote(), timeout=120).items()}
+                trainer.learner.memory_report.remote(), timeout=ask_s).items()}
         except Exception as exc:  # noqa: BLE001 - a failed run may have no learner left to ask
             res.extra["learner_memory_gib"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         try:  # each vLLM worker's allocator and process (the rest of the split by process)
             res.extra["engine_memory_gib"] = [{k: round(v, 3) for k, v in w.items()} for e in trainer.engines
-                                              for w in ray.get(e.memory_stats.remote(), timeout=120)]
+                                              for w in ray.get(e.memory_stats.remote(), timeout=ask_s)]
         except Exception as exc:  # noqa: BLE001 - a failed run may have no engine left to ask
             res.extra["engine_memory_gib"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+        summarize(res, rows, stamps, t0, args.warmup)
+        busy_from = stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0
+        write_result(close_result(res, sampler, busy_from, args.steps), Path(args.out))
         trainer.shutdown()
         ray.shutdown()
-    if rows:
-        walls = [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
-        gen = [m.get("rollout/tokens_per_s", 0.0) * m.get("timing/step", 0.0) for m in rows]
-        summary = timed_summary(walls, [m.get("train/num_tokens", 0.0) for m in rows], gen, args.warmup)
-        for k, v in summary.items():
-            setattr(res, k, v)
-        timed = rows[args.warmup:]
-        res.weight_sync_s = (sum(m.get("timing/refit", 0.0) for m in timed) / len(timed)) if timed else None
-        res.reward_curve = [round(m.get("rollout/reward", 0.0), 4) for m in rows]
-        res.episode_tokens = (sum(m.get("train/num_tokens", 0.0) for m in rows)
-                              / max(1.0, sum(m.get("train/num_sequences_trained", m.get("rollout/trajectories", 1.0))
-                                             for m in rows)))
-        res.extra["staleness_max"] = max(m.get("replay/staleness_max", 0.0) for m in rows)
-        res.extra["step_walls_s"] = [round(w, 3) for w in walls]
-        res.extra["learner_peaks_by_step_gib"] = [{k.removeprefix("memory/peak_").removesuffix("_gib"): round(v, 3)
-                                                   for k, v in m.items() if k.startswith("memory/peak_")} for m in rows]
-        # the engine's sampling logprobs against the learner's for the same tokens, each step: a refit
-        # that left the engine other weights than the learner's shows here first
-        res.extra["kl_behavior_prox_by_step"] = [round(m["train/kl_behavior_prox"], 6) for m in rows
-                                                 if "train/kl_behavior_prox" in m]
-    busy_from = stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0
-    return close_result(res, sampler, busy_from, args.steps)
+    if cut:
+        raise SystemExit(f"run_agentrl: {res.reason}")
+    return res
+
+
+def summarize(res: Result, rows: list[dict], stamps: list[float], t0: float, warmup: int) -> None:
+    """The step metrics the trainer logged (``rows``, ended at ``stamps``) into ``res``'s figures."""
+    if not rows:
+        return
+    walls = [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
+    gen = [m.get("rollout/tokens_per_s", 0.0) * m.get("timing/step", 0.0) for m in rows]
+    summary = timed_summary(walls, [m.get("train/num_tokens", 0.0) for m in rows], gen, warmup)
+    for k, v in summary.items():
+        setattr(res, k, v)
+    timed = rows[warmup:]
+    res.weight_sync_s = (sum(m.get("timing/refit", 0.0) for m in timed) / len(timed)) if timed else None
+    res.reward_curve = [round(m.get("rollout/reward", 0.0), 4) for m in rows]
+    res.episode_tokens = (sum(m.get("train/num_tokens", 0.0) for m in rows)
+                          / max(1.0, sum(m.get("train/num_sequences_trained", m.get("rollout/trajectories", 1.0))
+                                         for m in rows)))
+    res.extra["staleness_max"] = max(m.get("replay/staleness_max", 0.0) for m in rows)
+    res.extra["step_walls_s"] = [round(w, 3) for w in walls]
+    res.extra["learner_peaks_by_step_gib"] = [{k.removeprefix("memory/peak_").removesuffix("_gib"): round(v, 3)
+                                               for k, v in m.items() if k.startswith("memory/peak_")} for m in rows]
+    # the engine's sampling logprobs against the learner's for the same tokens, each step: a refit
+    # that left the engine other weights than the learner's shows here first
+    res.extra["kl_behavior_prox_by_step"] = [round(m["train/kl_behavior_prox"], 6) for m in rows
+                                             if "train/kl_behavior_prox" in m]
 
 
 def main() -> None:
@@ -168,6 +197,9 @@ def main() -> None:
                    help="vLLM's share of the GPU when resident (bench/gpu_e2e.py: 0.25 left no room for a refit)")
     p.add_argument("--cpu", action="store_true", help="a CPU check of the harness: tiny shape, scaled workload")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    p.add_argument("--kv-blocks", type=int, default=0,
+                   help="the engine's KV cache in vLLM blocks (engine.gpu_kv_cache_gib), e.g. a peer's kv_blocks, "
+                        "for a row at an equal KV cache; 0: sized from the engine's GPU share")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     wl = WORKLOADS[args.workload]
@@ -180,7 +212,7 @@ def main() -> None:
     texts_file.write_text(json.dumps({"prompts": prompt_texts(tok, wl, 256), "observation": observation_text(tok, wl),
                                       "special_tokens": list(tok.all_special_tokens)}))
     for setting in args.settings.split(","):
-        write_result(run_setting(args, wl, model, str(texts_file), setting), Path(args.out))
+        run_setting(args, wl, model, str(texts_file), setting)  # writes its result, cut or not
 
 
 if __name__ == "__main__":
