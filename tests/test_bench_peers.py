@@ -277,3 +277,15 @@ def test_kv_blocks_become_the_engines_kv_cache_size(tmp_path):
     ovr = run_agentrl.overrides(args, WORKLOADS["multi"], str(tmp_path), str(tmp_path / "t.json"), "memory")
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", ovr)
     assert round(cfg.engine.gpu_kv_cache_gib * 2**30) == 90_000 * 458_752
+    # or read from TRL's result in the same peers.json: its last row on the workload
+    rows = [{"system": "trl", "workload": "multi", "extra": {"kv_blocks": 70_000}},
+            {"system": "agentrl", "workload": "multi", "extra": {"kv_blocks": 1}},
+            {"system": "trl", "workload": "single", "extra": {"kv_blocks": 5}},
+            {"system": "trl", "workload": "multi", "extra": {"kv_blocks": 80_000}}]
+    (tmp_path / "peers.json").write_text(json.dumps(rows))
+    args.kv_blocks, args.kv_blocks_from = 0, str(tmp_path / "peers.json")
+    ovr = run_agentrl.overrides(args, WORKLOADS["multi"], str(tmp_path), str(tmp_path / "t.json"), "memory")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", ovr)
+    assert round(cfg.engine.gpu_kv_cache_gib * 2**30) == 80_000 * 458_752
+    with pytest.raises(SystemExit, match="no peer result on 'long'"):
+        run_agentrl.overrides(args, WORKLOADS["long"], str(tmp_path), str(tmp_path / "t.json"), "memory")

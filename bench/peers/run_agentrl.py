@@ -90,9 +90,22 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
             # at the step's peak, H200 2026-11-28)
             out += ["learner.megatron.activation_checkpointing=true", "refit.zero_copy=true",
                     "learner.expandable_segments=true"]
-    if getattr(args, "kv_blocks", 0):
-        out.append(f"engine.gpu_kv_cache_gib={kv_cache_gib(model, args.kv_blocks)!r}")
+    blocks = getattr(args, "kv_blocks", 0) or peer_kv_blocks(getattr(args, "kv_blocks_from", None), wl.name)
+    if blocks:
+        out.append(f"engine.gpu_kv_cache_gib={kv_cache_gib(model, blocks)!r}")
     return out + list(args.set)
+
+
+def peer_kv_blocks(path: str | None, workload: str) -> int:
+    """The KV blocks a peer's vLLM sized for itself in its last result on ``workload`` in ``path``
+    (a peers.json: TRL's ``extra.kv_blocks``); 0 without ``path``; an error when none is there."""
+    if not path:
+        return 0
+    rows = [r for r in json.loads(Path(path).read_text()) if r.get("system") != "agentrl"
+            and r.get("workload") == workload and (r.get("extra") or {}).get("kv_blocks")]
+    if not rows:
+        raise SystemExit(f"run_agentrl: no peer result on {workload!r} with extra.kv_blocks in {path}")
+    return int(rows[-1]["extra"]["kv_blocks"])
 
 
 def kv_cache_gib(model: str, blocks: int, block_tokens: int = 16, dtype_bytes: int = 2) -> float:
@@ -200,6 +213,8 @@ def main() -> None:
     p.add_argument("--kv-blocks", type=int, default=0,
                    help="the engine's KV cache in vLLM blocks (engine.gpu_kv_cache_gib), e.g. a peer's kv_blocks, "
                         "for a row at an equal KV cache; 0: sized from the engine's GPU share")
+    p.add_argument("--kv-blocks-from", default=None, metavar="PEERS_JSON",
+                   help="--kv-blocks from the last peer result on this workload in PEERS_JSON (its extra.kv_blocks)")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     wl = WORKLOADS[args.workload]
