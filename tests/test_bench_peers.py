@@ -23,6 +23,7 @@ from bench.peers.common import (
     observation_text,
     prompt_texts,
     reply_reward,
+    workload,
     write_result,
 )
 from bench.peers.table import table
@@ -33,9 +34,9 @@ def tok(tiny_model_dir):
     return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
-@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("name", [*WORKLOADS, "long32k"])
 def test_prompts_and_tool_answers_have_the_workloads_token_counts(tok, name):
-    wl = WORKLOADS[name]
+    wl = workload(name)
     prompts = prompt_texts(tok, wl, 16)
     assert len(set(prompts)) == 16 and prompts == prompt_texts(tok, wl, 16)  # distinct, and the same every run
     for p in prompts:  # never longer than asked, and within a word or two of it
@@ -47,6 +48,30 @@ def test_prompts_and_tool_answers_have_the_workloads_token_counts(tok, name):
 
 def test_long_workload_is_about_16k_tokens():
     assert 15_500 <= WORKLOADS["long"].episode_tokens <= 16_800
+
+
+@pytest.mark.parametrize("k", [4, 16, 24, 32, 64])
+def test_longNk_workloads_reach_their_length_with_longer_tool_answers(k):
+    """Where each system stops fitting: the long workload with only its tool answers grown."""
+    import dataclasses
+
+    wl, base = workload(f"long{k}k"), WORKLOADS["long"]
+    assert k * 1024 - base.tool_calls <= wl.episode_tokens <= k * 1024
+    assert wl.name == f"long{k}k" and wl.obs_tokens > 0
+    same = {f.name for f in dataclasses.fields(wl)} - {"name", "obs_tokens"}
+    assert all(getattr(wl, f) == getattr(base, f) for f in same)
+
+
+@pytest.mark.parametrize("bad", ["long", "long2k", "long300k", "long16", "short", "long-4k"])
+def test_unknown_workloads_are_refused_by_the_runners_parser(bad, capsys):
+    from bench.peers.common import harness_parser
+
+    if bad == "long":  # a name of WORKLOADS itself
+        assert harness_parser("x").parse_args(["--workload", bad]).workload == "long"
+        return
+    with pytest.raises(SystemExit):
+        harness_parser("x").parse_args(["--workload", bad])
+    assert "unknown workload" in capsys.readouterr().err
 
 
 def test_reply_reward_counts_decoded_text_per_token():
@@ -289,3 +314,19 @@ def test_kv_blocks_become_the_engines_kv_cache_size(tmp_path):
     assert round(cfg.engine.gpu_kv_cache_gib * 2**30) == 80_000 * 458_752
     with pytest.raises(SystemExit, match="no peer result on 'long'"):
         run_agentrl.overrides(args, WORKLOADS["long"], str(tmp_path), str(tmp_path / "t.json"), "memory")
+
+
+def test_agentrl_runner_treats_longNk_as_the_long_workload(tmp_path):
+    """longNk runs as long does (the engine sleeps while the learner steps), with room for its length."""
+    from pathlib import Path
+
+    from bench.peers import run_agentrl
+    from bench.peers.common import harness_parser
+
+    args = harness_parser(run_agentrl.__doc__).parse_args(["--workload", "long32k", "--workdir", str(tmp_path)])
+    args.cpu, args.engine_mem, args.set = False, 0.2, []
+    wl = workload(args.workload)
+    ovr = run_agentrl.overrides(args, wl, str(tmp_path / "model"), str(tmp_path / "t.json"), "recommended")
+    cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", ovr)
+    assert cfg.colocate.engine_sleep is True and cfg.engine.gpu_memory_utilization == 0.25
+    assert cfg.engine.max_model_len >= wl.episode_tokens and cfg.packing.max_tokens_per_microbatch >= wl.episode_tokens

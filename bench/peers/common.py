@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import random
+import re
 import statistics
 import threading
 import time
@@ -92,6 +93,30 @@ WORKLOADS: dict[str, Workload] = {
     "long": Workload("long", prompt_tokens=64, new_tokens=96, group_size=8, prompts_per_step=2,
                      tool_calls=3, tool_latency_s=0.5, obs_tokens=5200),
 }
+
+def workload(name: str) -> Workload:
+    """``WORKLOADS[name]``, or ``longNk`` (N in 4..256): the long workload with tool answers sized so
+    that an episode holds about N × 1,024 tokens, to find where each system stops fitting
+    (``long16k`` is within a few tokens of ``long``)."""
+    if name in WORKLOADS:
+        return WORKLOADS[name]
+    m = re.fullmatch(r"long(\d+)k", name)
+    if not m or not 4 <= int(m.group(1)) <= 256:
+        raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}, or longNk with N in 4..256")
+    base = WORKLOADS["long"]
+    fixed = base.prompt_tokens + (base.tool_calls + 1) * base.new_tokens + base.tool_calls * 12
+    obs = (int(m.group(1)) * 1024 - fixed) // base.tool_calls
+    return replace(base, name=name, obs_tokens=obs)
+
+
+def workload_arg(name: str) -> str:
+    """argparse's check of --workload (a clear error for a name :func:`workload` does not know)."""
+    try:
+        workload(name)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return name
+
 
 SHAPES = {
     # Qwen2.5-1.5B: hidden 1536, 28 layers, 12 heads (2 KV), MLP 8960, vocab 151936, tied embeddings.
@@ -382,7 +407,8 @@ def timed_summary(step_walls: list[float], tokens: list[float], generated: list[
 def harness_parser(doc: str, settings: str = "recommended") -> argparse.ArgumentParser:
     """The options every system's runner takes: workload, settings, timed steps, warm-up, lr, output."""
     p = argparse.ArgumentParser(description=doc.splitlines()[0])
-    p.add_argument("--workload", choices=list(WORKLOADS), required=True)
+    p.add_argument("--workload", type=workload_arg, required=True,
+                   help=f"{', '.join(WORKLOADS)}, or longNk: the long workload at ~N x 1,024 tokens an episode")
     p.add_argument("--settings", default=settings)
     p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
     p.add_argument("--warmup", type=int, default=1)

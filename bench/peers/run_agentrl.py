@@ -35,7 +35,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.peers.common import (
-    WORKLOADS,
     GpuSampler,
     Result,
     close_result,
@@ -45,6 +44,7 @@ from bench.peers.common import (
     pinned_versions,
     prompt_texts,
     timed_summary,
+    workload,
     write_result,
 )
 
@@ -56,7 +56,7 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
     on_policy = setting in ("like", "memory")
     engine_mem = 0.3 if setting == "memory" else args.engine_mem
     max_len = wl.episode_tokens + 512
-    colocated = wl.name == "long" and not args.cpu
+    colocated = wl.name.startswith("long") and not args.cpu
     out = [
         # as verl samples (its vLLM server masks the logits past len(tokenizer)): only the tokenizer's
         # ids, trained on the same masked distribution (bench/RESULTS.md, "Peers harness, 2026-11-27")
@@ -217,7 +217,7 @@ def main() -> None:
                    help="--kv-blocks from the last peer result on this workload in PEERS_JSON (its extra.kv_blocks)")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
-    wl = WORKLOADS[args.workload]
+    wl = workload(args.workload)
     wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
     model = make_model(Path(args.workdir) / f"model-{'cpu' if args.cpu else '1.5b'}", "cpu" if args.cpu else "1.5b")
     from transformers import AutoTokenizer

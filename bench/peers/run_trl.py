@@ -30,7 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.peers.common import (
     PINNED,
-    WORKLOADS,
     GpuSampler,
     Result,
     close_result,
@@ -42,6 +41,7 @@ from bench.peers.common import (
     prompt_texts,
     reply_reward,
     timed_summary,
+    workload,
     write_result,
 )
 
@@ -114,7 +114,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
     if trl.__version__ != PINNED["trl"] and not args.any_version:
         raise SystemExit(f"the harness pins trl=={PINNED['trl']}, found {trl.__version__} (--any-version to run anyway)")
     total = wl.group_size * wl.prompts_per_step  # completions per optimizer step
-    per_device = args.micro_batch or (1 if wl.name == "long" else min(8, total))
+    per_device = args.micro_batch or (1 if wl.name.startswith("long") else min(8, total))
     max_completion = wl.episode_tokens - wl.prompt_tokens + 64
     steps = args.warmup + args.steps
     tok = AutoTokenizer.from_pretrained(model)
@@ -209,7 +209,7 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="a CPU check of the harness (transformers generate, no vLLM)")
     p.add_argument("--any-version", action="store_true")
     args = p.parse_args()
-    wl = WORKLOADS[args.workload]
+    wl = workload(args.workload)
     wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
     model = make_model(Path(args.workdir) / f"model-{'cpu' if args.cpu else '1.5b'}", "cpu" if args.cpu else "1.5b")
     from transformers import AutoTokenizer

@@ -48,7 +48,6 @@ sys.path.insert(0, str(ROOT))
 
 from bench.peers.common import (
     PINNED,
-    WORKLOADS,
     GpuSampler,
     Result,
     close_result,
@@ -58,6 +57,7 @@ from bench.peers.common import (
     pinned_versions,
     prompt_texts,
     timed_summary,
+    workload,
     write_result,
 )
 
@@ -418,7 +418,7 @@ def main() -> None:
 
     if verl.__version__ != PINNED["verl"] and not args.any_version:
         raise SystemExit(f"the harness pins verl=={PINNED['verl']}, found {verl.__version__} (--any-version to run anyway)")
-    wl = WORKLOADS[args.workload]
+    wl = workload(args.workload)
     wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
     workdir = Path(args.workdir)
     model = make_model(workdir / f"model-{'cpu' if args.dry_run else '1.5b'}", "cpu" if args.dry_run else "1.5b")
