@@ -277,6 +277,10 @@ class Config(Section):
                     raise ValueError(f"learner.megatron.cuda_graphs needs attention=flex, no tensor/pipeline/context "
                                      f"parallelism and no activation checkpointing; got {', '.join(off)} "
                                      "(auto, the default, turns it on only where it can run)")
+            if mc.master_weight_remainders and (not mc.use_distributed_optimizer or self.model.dtype != "bfloat16"):
+                raise ValueError("learner.megatron.master_weight_remainders needs model.dtype=bfloat16 and "
+                                 "learner.megatron.use_distributed_optimizer=true (given "
+                                 f"{self.model.dtype} and {mc.use_distributed_optimizer})")
             idle = []  # auto never resolves to these: only a forced true lands here
             if mc.fused_logprobs and mc.tensor_parallel_size > 1:
                 idle.append(f"fused_logprobs (tensor_parallel_size={mc.tensor_parallel_size})")

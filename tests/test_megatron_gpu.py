@@ -55,6 +55,21 @@ def test_megatron_matches_hf_and_torch_learner(tmp_path: Path, family: str) -> N
 
 
 @needs_cuda
+def test_master_weights_as_remainders_step_as_fp32_masters_bit_for_bit(tmp_path: Path) -> None:
+    """learner.megatron.master_weight_remainders: every step equals torch's fused AdamW over the
+    true fp32 masters (masters, moments, step count, bf16 weights), in half the masters' memory."""
+    out = tmp_path / "remainders.json"
+    _run(1, "--mode", "remainders", "--workdir", str(tmp_path), "--out", str(out))
+    r = json.loads(out.read_text())
+    for s in r["steps"]:
+        assert all(v == 0 for v in s["mismatches"].values()), r["steps"]
+        assert s["weights_off_torch_rounding"] <= max(8, r["params"] // 20_000), s  # exact ties only
+    assert r["steps"][-1]["loss"] == r["steps"][-1]["loss"]  # not NaN
+    assert abs(r["master_weights_gib"] - r["master_weights_expected_gib"]) < 0.01, r
+    assert r["reload_equal"], r
+
+
+@needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensor_parallel_2_matches_tp_1(tmp_path: Path) -> None:
     outs = {}

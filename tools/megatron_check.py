@@ -7,6 +7,10 @@ Modes (all on a random model written to ``--workdir`` as an HF checkpoint, bf16;
 * ``hf``: (world 1) packed logprobs vs Hugging Face (bf16 SDPA, and float32 as the truth); one
   ``train_step`` vs the torch learner on the same batch (loss, grad norm); save -> step -> load
   restores weights, logprobs and the step counter.
+* ``remainders``: (world 1) ``learner.megatron.master_weight_remainders``: each of 3 steps leaves
+  the fp32 masters, Adam's moments and the bf16 weights that torch's fused AdamW makes from the
+  masters before the step and the step's (clipped) gradients, bit for bit; the masters take 2
+  bytes a parameter; save -> step -> load restores them bit for bit.
 * ``logprobs``: (any world / TP) logprobs of the fixed trajectories, written to ``--out`` (JSON),
   so TP=2 can be compared with TP=1.
 
@@ -78,10 +82,10 @@ def make_trajectories(seed: int = 0) -> list:
     return groups
 
 
-def config(model_dir: Path, tp: int = 1, attention: str = "flex", zero_copy: bool = False):
+def config(model_dir: Path, tp: int = 1, attention: str = "flex", zero_copy: bool = False, remainders: bool = False):
     from agentrl.config import load_config
 
-    return load_config(None, [
+    return load_config(None, [f"learner.megatron.master_weight_remainders={str(remainders).lower()}",
         f"model.path={model_dir}", "model.dtype=bfloat16", "learner.backend=megatron", f"learner.num_gpus={tp}",
         f"learner.megatron.tensor_parallel_size={tp}", f"learner.megatron.attention={attention}",
         "packing.max_tokens_per_microbatch=4096", "rollout.max_total_tokens=2048", "engine.max_model_len=4096",
@@ -185,9 +189,62 @@ def check_hf(args: argparse.Namespace) -> dict:
     return res
 
 
+def check_remainders(args: argparse.Namespace) -> dict:
+    from agentrl.learners.common import learner_memory
+    from agentrl.learners.megatron.learner import MegatronLearner
+    from agentrl.learners.megatron.remainders import _adamw_, split_master
+
+    model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
+    groups = make_trajectories()
+    learner = MegatronLearner(config(model_dir, attention=args.attention, zero_copy=True, remainders=True))
+    opts = list(getattr(learner.optimizer, "chained_optimizers", None) or [learner.optimizer])
+    owned = [(o, p) for o in opts for p in o.model_param_group_index_map]
+
+    def states() -> list[dict]:
+        return [{k: v.detach().clone() for k, v in o._get_main_param_and_optimizer_states(p).items()} for o, p in owned]
+
+    def main_of(o, p):
+        g, i = o.model_param_group_index_map[p]
+        return o.optimizer.param_groups[g], o.optimizer.param_groups[g]["params"][i]
+
+    res: dict = {"family": args.family, "params": sum(p.numel() for _, p in owned), "steps": []}
+    for step in range(3):
+        before = states()
+        metrics = learner.train_step(groups)
+        after = states()
+        bad = {"master": 0, "exp_avg": 0, "exp_avg_sq": 0, "weights": 0, "step": 0}
+        rne_differs = 0
+        for (o, p), b, a in zip(owned, before, after):
+            group, main = main_of(o, p)
+            ref = b["param"].clone()
+            m = b.get("exp_avg", torch.zeros_like(ref)).clone()
+            v = b.get("exp_avg_sq", torch.zeros_like(ref)).clone()
+            n = b.get("step", torch.zeros((), device=ref.device))
+            _adamw_(ref, main.grad.reshape(-1), m.view(-1), v.view(-1), n.to(ref.device), group)
+            bad["master"] += int((a["param"].view(torch.int32) != ref.view(torch.int32)).sum())
+            bad["exp_avg"] += int((a["exp_avg"] != m).sum())
+            bad["exp_avg_sq"] += int((a["exp_avg_sq"] != v).sum())
+            bad["step"] += int(float(a["step"]) != float(n) + 1)
+            w = p.detach().reshape(-1)
+            bad["weights"] += int((w.view(torch.int16) != split_master(ref)[0].view(torch.int16)).sum())
+            rne_differs += int((w.view(torch.int16) != ref.to(torch.bfloat16).view(torch.int16)).sum())
+        res["steps"].append({"loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
+                             "mismatches": bad, "weights_off_torch_rounding": rne_differs})
+    mem = learner_memory(learner)
+    res["master_weights_gib"], res["master_weights_expected_gib"] = mem.get("master_weights", 0.0), res["params"] * 2 / 2**30
+    ck = Path(args.workdir) / "ckpt_remainders"
+    learner.save(ck)
+    saved = states()
+    learner.train_step(groups)
+    learner.load(ck)
+    loaded = states()
+    res["reload_equal"] = all(torch.equal(s[k].cpu(), l[k].cpu()) for s, l in zip(saved, loaded) for k in s)
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["hf", "logprobs"], required=True)
+    ap.add_argument("--mode", choices=["hf", "remainders", "logprobs"], required=True)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
@@ -197,6 +254,8 @@ def main() -> None:
     Path(args.workdir).mkdir(parents=True, exist_ok=True)
     if args.mode == "hf":
         res = check_hf(args)
+    elif args.mode == "remainders":
+        res = check_remainders(args)
     else:
         from agentrl.learners.megatron.learner import MegatronLearner
 

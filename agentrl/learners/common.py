@@ -305,6 +305,9 @@ def memory_breakdown(
     for p in params:
         add("grads", p.grad)
         add("grads", getattr(p, "main_grad", None))
+    for wrapper in (optimizer, *(getattr(optimizer, "chained_optimizers", None) or [])):
+        for rem in (getattr(wrapper, "master_weight_remainders", None) or {}).values():
+            add("master_weights", rem)  # fp32 masters kept as int16 remainders (megatron/remainders.py)
     for opt in torch_optimizers(optimizer):
         for group in opt.param_groups:
             for p in group["params"]:

@@ -159,6 +159,12 @@ def build_ddp_and_optimizer(model: torch.nn.Module, learner_cfg: Any) -> tuple[A
         [ddp],
     )
     fuse_adamw(opt)  # torch's AdamW (no TE/Apex here): the fused kernel, no parameter-sized temporary
+    if mcfg.master_weight_remainders:
+        from agentrl.learners.megatron.remainders import use_remainders
+
+        for one in getattr(opt, "chained_optimizers", None) or [opt]:
+            use_remainders(one)
+        torch.cuda.empty_cache()  # the fp32 masters' blocks go back to the device
     config.no_sync_func = ddp.no_sync
     if mcfg.overlap_grad_reduce:
         config.grad_sync_func = ddp.start_grad_sync
