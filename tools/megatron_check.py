@@ -192,7 +192,7 @@ def check_hf(args: argparse.Namespace) -> dict:
 def check_remainders(args: argparse.Namespace) -> dict:
     from agentrl.learners.common import learner_memory
     from agentrl.learners.megatron.learner import MegatronLearner
-    from agentrl.learners.megatron.remainders import _adamw_, split_master
+    from agentrl.learners.megatron.remainders import split_master
 
     model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
     groups = make_trajectories()
@@ -219,8 +219,15 @@ def check_remainders(args: argparse.Namespace) -> dict:
             ref = b["param"].clone()
             m = b.get("exp_avg", torch.zeros_like(ref)).clone()
             v = b.get("exp_avg_sq", torch.zeros_like(ref)).clone()
-            n = b.get("step", torch.zeros((), device=ref.device))
-            _adamw_(ref, main.grad.reshape(-1), m.view(-1), v.view(-1), n.to(ref.device), group)
+            n = b.get("step", torch.zeros((), device=ref.device)).to(ref.device)
+            # the reference: torch's own AdamW (fused) over a real fp32 master with the same state
+            ref_opt = torch.optim.AdamW([ref], lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                                        weight_decay=group["weight_decay"], fused=True)
+            if "exp_avg" in b:
+                ref_opt.state[ref] = {"step": n.clone().float(), "exp_avg": m, "exp_avg_sq": v}
+            ref.grad = main.grad.reshape(ref.shape).float().clone()
+            ref_opt.step()
+            m, v = ref_opt.state[ref]["exp_avg"], ref_opt.state[ref]["exp_avg_sq"]
             bad["master"] += int((a["param"].view(torch.int32) != ref.view(torch.int32)).sum())
             bad["exp_avg"] += int((a["exp_avg"] != m).sum())
             bad["exp_avg_sq"] += int((a["exp_avg_sq"] != v).sum())
