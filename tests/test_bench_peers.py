@@ -330,3 +330,22 @@ def test_agentrl_runner_treats_longNk_as_the_long_workload(tmp_path):
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", ovr)
     assert cfg.colocate.engine_sleep is True and cfg.engine.gpu_memory_utilization == 0.25
     assert cfg.engine.max_model_len >= wl.episode_tokens and cfg.packing.max_tokens_per_microbatch >= wl.episode_tokens
+
+
+def test_sigterm_becomes_a_keyboardinterrupt_a_runner_can_write_its_steps_from():
+    """stop_on_sigterm (run_trl's main): timeout's SIGTERM interrupts the main thread as Ctrl-C
+    would, instead of ending the process before it writes what it measured."""
+    import os
+    import signal
+
+    from bench.peers.common import stop_on_sigterm
+
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        stop_on_sigterm()
+        with pytest.raises(KeyboardInterrupt, match="stopped by signal SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(1000):  # the handler runs at the next bytecode boundary
+                pass
+    finally:
+        signal.signal(signal.SIGTERM, before)

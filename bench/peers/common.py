@@ -43,6 +43,8 @@ __all__ = [
     "pinned_versions",
     "prompt_texts",
     "reply_reward",
+    "stop_on_sigterm",
+    "workload",
     "write_result",
 ]
 
@@ -417,6 +419,18 @@ def harness_parser(doc: str, settings: str = "recommended") -> argparse.Argument
     p.add_argument("--workdir", default="/tmp/peers")
     p.add_argument("--scale", type=float, default=1.0, help="scale the workload's sizes (CPU checks)")
     return p
+
+
+def stop_on_sigterm() -> None:
+    """From here on a SIGTERM (``timeout`` ending a run step at RUN_TIMEOUT) raises KeyboardInterrupt
+    in the main thread, as Ctrl-C does, so a runner can still write what its finished steps measured
+    (status ``cut``) in the seconds before ``timeout -k`` kills it."""
+    import signal
+
+    def stop(signum: int, _frame: Any) -> None:
+        raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
+
+    signal.signal(signal.SIGTERM, stop)
 
 
 def close_result(res: Result, sampler: Any, busy_from: float | None, wanted_steps: int) -> Result:

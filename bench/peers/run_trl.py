@@ -40,6 +40,7 @@ from bench.peers.common import (
     pinned_versions,
     prompt_texts,
     reply_reward,
+    stop_on_sigterm,
     timed_summary,
     workload,
     write_result,
@@ -170,6 +171,9 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
                               callbacks=[Stamp()])
         t0 = time.perf_counter()
         trainer.train()
+    except KeyboardInterrupt as exc:  # SIGTERM at the run step's limit (stop_on_sigterm) or Ctrl-C
+        # the figures are those of the timed steps it finished (bench/peers/README.md)
+        res.status, res.reason = "cut", f"{str(exc) or 'interrupted'} after {len(stamps)} of {steps} steps"
     except Exception as exc:
         oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
         res.status, res.reason = ("oom" if oom else "error"), f"{type(exc).__name__}: {str(exc)[-600:]}"
@@ -216,8 +220,12 @@ def main() -> None:
 
     tok = AutoTokenizer.from_pretrained(model)
     prompts, observation = prompt_texts(tok, wl, 256), observation_text(tok, wl)
+    stop_on_sigterm()
     for setting in args.settings.split(","):
-        write_result(run_setting(args, wl, model, prompts, observation, setting), Path(args.out))
+        res = run_setting(args, wl, model, prompts, observation, setting)
+        write_result(res, Path(args.out))
+        if res.status == "cut":
+            raise SystemExit(f"run_trl: {res.reason}")
 
 
 if __name__ == "__main__":
