@@ -349,3 +349,39 @@ def test_sigterm_becomes_a_keyboardinterrupt_a_runner_can_write_its_steps_from()
                 pass
     finally:
         signal.signal(signal.SIGTERM, before)
+
+
+def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
+    """device.sh fit:SYSTEM:SETTINGS:N1,N2,...: longNk in the order given, one timed step each,
+    stopping at the first run whose result is not "ok" (here a stand-in runner that OOMs at 32k)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path / "repo"  # a copy of the scripts: device_env.sh links agentrl/envs in its cwd
+    for rel in ("bench/device_env.sh", "bench/peers/device.sh", "bench/peers/table.py"):
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / rel, work / rel)
+    (work / "agentrl").mkdir()
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    runners = tmp_path / "runners"
+    runners.mkdir()
+    (runners / "run_agentrl.py").write_text(
+        "import argparse, json\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--workload'); p.add_argument('--settings')\n"
+        "p.add_argument('--out'); p.add_argument('--workdir'); p.add_argument('--steps', type=int)\n"
+        "a = p.parse_args()\n"
+        "n = int(a.workload[4:-1])\n"
+        "status = 'ok' if n < 32 else 'oom'\n"
+        "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps}))\n"
+        "raise SystemExit(0 if status == 'ok' else 1)\n")
+    env = {**__import__("os").environ, "DEVICE_SITE": str(tmp_path / "site"), "PEERS_RUNNERS": str(runners),
+           "OUT": str(tmp_path / "out"), "SETTLE_S": "0", "PEER_ARGS": ""}
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "fit:agentrl:recommended:16,24,32,48"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert "fit: agentrl (recommended) fits long16k" in out and "fits long24k" in out, out + proc.stderr
+    assert 'stops fitting at long32k: "status": "oom"' in out, out
+    assert "long48k" not in out and proc.returncode == 0, out  # stopped there; a fit probe's OOM is its answer
+    assert '"steps": 1' in (tmp_path / "out" / "agentrl-long16k.log").read_text()

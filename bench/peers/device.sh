@@ -13,9 +13,28 @@
 # BG_TIMEOUT (s, default 1440) for the whole run; `wait` waits WAIT_S (default 550) or until it ends,
 # copies its log and result to $OUT and exits 0 once it ended, 4 while it still runs (call `wait` again).
 # Run no other step while a detached run is on the GPU (a run step ends by killing Ray and vLLM leftovers).
+#   bash bench/peers/device.sh fit:agentrl:recommended:16,24,32,48   # where a system stops fitting:
+# longNk for each N in turn (1 warm-up + 1 timed step each, PEER_ARGS after), until a run is not "ok".
 set -o pipefail
 source bench/device_env.sh peers  # carry check, import links, environment, $OUT, the GPU
 rc=0
+runners=${PEERS_RUNNERS:-bench/peers}  # where run_<system>.py live (tests put stand-ins here)
+
+run_step() {  # SYSTEM WORKLOAD SETTINGS [extra runner args]: one run step; returns the runner's status
+  local system=$1 workload=$2 settings=$3 site=$PYTHONPATH src; shift 3
+  [ "$system" = trl ] && site=/tmp/peer-trl:$PYTHONPATH
+  [ "$system" = verl ] && site=/tmp/peer-verl:$PYTHONPATH
+  echo "== $system:$workload:$settings ($(date +%T))"
+  PYTHONPATH=$site timeout -k 20 "${RUN_TIMEOUT:-540}" python3 "$runners/run_$system.py" --workload "$workload" \
+    --settings "${settings:-recommended}" --out "$OUT/peers.json" --workdir /tmp/peers "$@" ${PEER_ARGS:-} 2>&1 \
+    | grep -v "Warning\|warn(\|it/s\]" > "$OUT/${system}-${workload}.log"; src=$?
+  grep "^RESULT" "$OUT/${system}-${workload}.log" | cut -c1-400
+  [ $src = 0 ] || { echo "$system:$workload:$settings exited $src"; tail -30 "$OUT/${system}-${workload}.log"; }
+  # anything a killed run left on the GPU would skew the next one
+  # (bracketed patterns: pkill -f must not match this script's own command line)
+  for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done; sleep "${SETTLE_S:-3}"
+  return $src
+}
 for step in "$@"; do
   case $step in
     trl-install)
@@ -30,17 +49,18 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
         || { echo "peers: verl does not import: no verl run in this call"; exit 1; } ;;
     agentrl:*|trl:*|verl:*)
       IFS=: read -r system workload settings <<< "$step"
-      site=$PYTHONPATH; [ "$system" = trl ] && site=/tmp/peer-trl:$PYTHONPATH
-      [ "$system" = verl ] && site=/tmp/peer-verl:$PYTHONPATH
-      echo "== $step ($(date +%T))"
-      PYTHONPATH=$site timeout -k 20 "${RUN_TIMEOUT:-540}" python3 "bench/peers/run_$system.py" --workload "$workload" \
-        --settings "${settings:-recommended}" --out "$OUT/peers.json" --workdir /tmp/peers ${PEER_ARGS:-} 2>&1 \
-        | grep -v "Warning\|warn(\|it/s\]" > "$OUT/${system}-${workload}.log"; src=$?
-      grep "^RESULT" "$OUT/${system}-${workload}.log" | cut -c1-400
-      [ $src = 0 ] || { echo "$step exited $src"; tail -30 "$OUT/${system}-${workload}.log"; rc=1; }
-      # anything a killed run left on the GPU would skew the next one
-      # (bracketed patterns: pkill -f must not match this script's own command line)
-      for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done; sleep 3 ;;
+      run_step "$system" "$workload" "$settings" || rc=1 ;;
+    fit:*)
+      IFS=: read -r _ system settings lengths <<< "$step"
+      for n in ${lengths//,/ }; do
+        run_step "$system" "long${n}k" "$settings" --steps 1
+        last=$(grep "^RESULT" "$OUT/${system}-long${n}k.log" | tail -1)
+        if [[ $last != *'"status": "ok"'* ]]; then
+          echo "fit: $system ($settings) stops fitting at long${n}k: $(grep -o '"status": "[a-z]*"' <<< "$last" || echo 'no result')"
+          break
+        fi
+        echo "fit: $system ($settings) fits long${n}k"
+      done ;;
     start:*)
       IFS=: read -r _ system workload settings <<< "$step"
       bg=/tmp/peers/bg; mkdir -p $bg
