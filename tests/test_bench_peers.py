@@ -377,7 +377,8 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
         "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps}))\n"
         "raise SystemExit(0 if status == 'ok' else 1)\n")
     env = {**__import__("os").environ, "DEVICE_SITE": str(tmp_path / "site"), "PEERS_RUNNERS": str(runners),
-           "OUT": str(tmp_path / "out"), "SETTLE_S": "0", "PEER_ARGS": ""}
+           "OUT": str(tmp_path / "out"), "SETTLE_S": "0", "PEER_ARGS": "",
+           "PEERS_KILL_LEFTOVERS": "0"}  # never kill this machine's Ray processes: the suite's own cluster
     proc = subprocess.run(["bash", "bench/peers/device.sh", "fit:agentrl:recommended:16,24,32,48"], cwd=work,
                           env=env, capture_output=True, text=True, timeout=120)
     out = proc.stdout

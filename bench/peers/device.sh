@@ -30,9 +30,13 @@ run_step() {  # SYSTEM WORKLOAD SETTINGS [extra runner args]: one run step; retu
     | grep -v "Warning\|warn(\|it/s\]" > "$OUT/${system}-${workload}.log"; src=$?
   grep "^RESULT" "$OUT/${system}-${workload}.log" | cut -c1-400
   [ $src = 0 ] || { echo "$system:$workload:$settings exited $src"; tail -30 "$OUT/${system}-${workload}.log"; }
-  # anything a killed run left on the GPU would skew the next one
-  # (bracketed patterns: pkill -f must not match this script's own command line)
-  for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done; sleep "${SETTLE_S:-3}"
+  # anything a killed run left on the GPU would skew the next one (bracketed patterns: pkill -f must
+  # not match this script's own command line). PEERS_KILL_LEFTOVERS=0 leaves them (tests: the machine's
+  # other Ray processes, e.g. the test session's own cluster, whose raylet's death ends its driver)
+  if [ "${PEERS_KILL_LEFTOVERS:-1}" = 1 ]; then
+    for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done
+  fi
+  sleep "${SETTLE_S:-3}"
   return $src
 }
 for step in "$@"; do
