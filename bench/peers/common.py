@@ -38,6 +38,7 @@ __all__ = [
     "Result",
     "Workload",
     "lookup_tool",
+    "mark_cut",
     "make_model",
     "observation_text",
     "pinned_versions",
@@ -431,6 +432,12 @@ def stop_on_sigterm() -> None:
         raise KeyboardInterrupt(f"stopped by signal {signal.Signals(signum).name}")
 
     signal.signal(signal.SIGTERM, stop)
+
+
+def mark_cut(res: Result, exc: BaseException, done: int, wanted: int) -> None:
+    """``res`` of a run stopped by ``exc`` (KeyboardInterrupt: SIGTERM or Ctrl-C) after ``done`` of
+    ``wanted`` steps: status ``cut``; its figures are those of the timed steps it finished."""
+    res.status, res.reason = "cut", f"{str(exc) or 'interrupted'} after {done} of {wanted} steps"
 
 
 def close_result(res: Result, sampler: Any, busy_from: float | None, wanted_steps: int) -> Result:

@@ -40,6 +40,7 @@ from bench.peers.common import (
     close_result,
     harness_parser,
     make_model,
+    mark_cut,
     observation_text,
     pinned_versions,
     prompt_texts,
@@ -135,7 +136,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
     rows: list[dict] = []
     stamps: list[float] = []
     t0 = time.perf_counter()
-    cut = ""
+    cut = False
     sampler = GpuSampler().start()
     try:
         trainer.start()
@@ -148,9 +149,8 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
             r.stop.remote()
         del runs
     except KeyboardInterrupt as exc:  # the trainer's SIGTERM (a device call's time limit) or Ctrl-C
-        cut = str(exc) or "interrupted"
-        # the figures are those of the timed steps it finished (bench/peers/README.md)
-        res.status, res.reason = "cut", f"{cut} after {len(rows)} of {args.warmup + args.steps} steps"
+        cut = True
+        mark_cut(res, exc, len(rows), args.warmup + args.steps)
     except Exception as exc:  # out of memory or any failure: the table says so
         oom = "out of memory" in str(exc).lower() or "OutOfMemory" in type(exc).__name__ or "OOM" in str(exc)
         res.status, res.reason = ("oom" if oom else "error"), f"{type(exc).__name__}: {str(exc)[-600:]}"

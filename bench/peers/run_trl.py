@@ -36,6 +36,7 @@ from bench.peers.common import (
     harness_parser,
     lookup_tool,
     make_model,
+    mark_cut,
     observation_text,
     pinned_versions,
     prompt_texts,
@@ -172,8 +173,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
         t0 = time.perf_counter()
         trainer.train()
     except KeyboardInterrupt as exc:  # SIGTERM at the run step's limit (stop_on_sigterm) or Ctrl-C
-        # the figures are those of the timed steps it finished (bench/peers/README.md)
-        res.status, res.reason = "cut", f"{str(exc) or 'interrupted'} after {len(stamps)} of {steps} steps"
+        mark_cut(res, exc, len(stamps), steps)
     except Exception as exc:
         oom = isinstance(exc, torch.cuda.OutOfMemoryError) or "out of memory" in str(exc).lower()
         res.status, res.reason = ("oom" if oom else "error"), f"{type(exc).__name__}: {str(exc)[-600:]}"

@@ -166,14 +166,11 @@ def use_remainders(dopt: Any, chunk: int = _CHUNK) -> int:
         w, r = split_master(tensors["param"].to(device=weights[main].device, dtype=torch.float32).reshape(-1))
         weights[main].view(-1).copy_(w)
         rems[main].view(-1).copy_(r)
-        state = inner.state[main]
-        for k in ("exp_avg", "exp_avg_sq"):
-            if k in state:
-                state[k].copy_(tensors[k])
-            else:
-                state[k] = tensors[k].to(device=weights[main].device, dtype=torch.float32).clone()
-        state["step"] = torch.as_tensor(tensors["step"], dtype=torch.float32).to(weights[main].device).clone() \
-            if "step" in tensors else state.get("step", torch.zeros((), dtype=torch.float32, device=weights[main].device))
+        state, device = inner.state[main], weights[main].device
+        for k in ("exp_avg", "exp_avg_sq"):  # fresh tensors: a loaded state may alias the saved ones
+            state[k] = tensors[k].to(device=device, dtype=torch.float32).reshape(main.shape).clone()
+        if "step" in tensors:
+            state["step"] = torch.as_tensor(tensors["step"], dtype=torch.float32).to(device).clone()
 
     dopt._copy_main_params_to_model_params = copy_main_to_model
     dopt._copy_model_params_to_main_params = copy_model_to_main
