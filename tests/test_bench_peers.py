@@ -332,6 +332,23 @@ def test_agentrl_runner_treats_longNk_as_the_long_workload(tmp_path):
     assert cfg.engine.max_model_len >= wl.episode_tokens and cfg.packing.max_tokens_per_microbatch >= wl.episode_tokens
 
 
+def test_peer_model_serves_the_longest_fit_episode_and_keeps_its_weights_when_its_context_grows(tmp_path, monkeypatch):
+    """The harness's model takes every longNk episode (past 32k too); a model made earlier with a
+    shorter context gets the new one in its config and keeps its weight file untouched."""
+    from bench.peers.common import MAX_POSITIONS, make_model
+
+    monkeypatch.setenv("AGENTRL_PEERS_MAKE_MODEL_HERE", "1")  # no child process, no GPU here
+    out = tmp_path / "model"
+    make_model(out, "cpu", max_position_embeddings=32768)
+    weights = sorted(out.glob("model*.safetensors"))
+    before = [(f.stat().st_mtime_ns, f.read_bytes()) for f in weights]
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 32768
+    make_model(out, "cpu")
+    assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == MAX_POSITIONS
+    assert MAX_POSITIONS >= workload("long64k").episode_tokens + 512
+    assert [(f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(out.glob("model*.safetensors"))] == before
+
+
 def test_sigterm_becomes_a_keyboardinterrupt_a_runner_can_write_its_steps_from():
     """stop_on_sigterm (run_trl's main): timeout's SIGTERM interrupts the main thread as Ctrl-C
     would, instead of ending the process before it writes what it measured."""

@@ -131,16 +131,27 @@ SHAPES = {
 }
 
 
-def make_model(out: Path, shape: str = "1.5b", max_position_embeddings: int = 32768) -> str:
+MAX_POSITIONS = 131072
+"""The context every system may serve and train (``max_position_embeddings``): room for ``longNk``
+past 32k, where the fit runs look. The weights do not depend on it (RoPE has no parameters)."""
+
+
+def make_model(out: Path, shape: str = "1.5b", max_position_embeddings: int = MAX_POSITIONS) -> str:
     """Random weights of ``shape`` (bf16 on CUDA, fp32 on CPU) with the tiny tokenizer, in HF format.
 
     On a GPU the weights are made in a child process: a CUDA context made here would stay in the
-    runner's process for the whole run (~0.6 GiB on an H200, counted in the run's peak memory)."""
+    runner's process for the whole run (~0.6 GiB on an H200, counted in the run's peak memory).
+    A model made before with another ``max_position_embeddings`` gets the new one in its config
+    (its weights stay: they are the same)."""
     import torch
 
     out = Path(out)
     if (out / "config.json").is_file() and (out / "peer_shape.txt").is_file() \
             and (out / "peer_shape.txt").read_text() == shape:
+        config = json.loads((out / "config.json").read_text())
+        if config.get("max_position_embeddings") != max_position_embeddings:
+            config["max_position_embeddings"] = max_position_embeddings
+            (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         return str(out)
     if _nvml_gpu_count() > 0 and not os.environ.get("AGENTRL_PEERS_MAKE_MODEL_HERE"):
         import subprocess

@@ -16,14 +16,15 @@
 # netshared0: lazy with NCCL_NET_SHARED_BUFFERS=0 (a one-rank communicator allocated a 512 MiB NET
 # shared pool: NVIDIA/nccl issue 2363); object_store: the refit through Ray's object store.
 # PROBE_ARGS go to every run (e.g. "--kv-blocks-from $OUT/peers.json" after TRL's run: an equal KV cache).
-# PROBE_TESTS=0 skips the tests; RUN_TIMEOUT (s, default 360) bounds each run: the first run on a fresh
-# machine makes the random 1.5B model too (~245-270 s in all on the H200; 175 and 270 s cut runs short).
+# PROBE_TESTS=0 skips the tests, PROBE_K picks some of them (pytest -k); RUN_TIMEOUT (s, default 360)
+# bounds each run: the first run on a fresh machine makes the random 1.5B model too (~245-270 s in all
+# on the H200; 175 and 270 s cut runs short).
 set -o pipefail
 source bench/device_env.sh memory_probe
 root=$OUT
 [ "${PROBE_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_optim.py tests/test_torch_learner.py \
   tests/test_refit.py tests/test_megatron_logprobs.py tests/test_megatron_gpu.py \
-  -k "fused or peaks or plain or main_grad or zero_copy or remainders" 2>&1 \
+  -k "${PROBE_K:-fused or peaks or plain or main_grad or zero_copy or remainders}" 2>&1 \
   | grep -v "Warn\|warn(\|DEBUG" | tail -4
 for run in ${@:-solo copy lazy}; do
   args="--steps ${PROBE_STEPS:-3} ${PROBE_ARGS:-}"
