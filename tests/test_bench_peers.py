@@ -184,7 +184,10 @@ def test_agentrl_runner_samples_the_tokenizers_ids_as_verl_does(tmp_path):
     args.cpu, args.engine_mem, args.set = False, 0.2, []
     for setting in ("recommended", "like", "memory"):
         ovr = run_agentrl.overrides(args, WORKLOADS["multi"], str(tmp_path / "model"), str(tmp_path / "t.json"), setting)
-        assert load_config(root / "configs" / "gpu_1x.yaml", ovr).model.tokenizer_vocab_only is True
+        cfg = load_config(root / "configs" / "gpu_1x.yaml", ovr)
+        assert cfg.model.tokenizer_vocab_only is True
+        # the memory setting keeps the fp32 masters as remainders (the config check accepts it there)
+        assert cfg.learner.megatron.master_weight_remainders is (setting == "memory")
 
 
 class _FakeNvml:

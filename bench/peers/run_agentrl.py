@@ -13,8 +13,9 @@ Settings:
   memory       `like` at TRL's recommended memory settings, for the peak-memory comparison: vLLM's
                share of the GPU is TRL's (0.3) and the learner recomputes activations
                (megatron.activation_checkpointing, as TRL's gradient checkpointing does); a refit
-               reads the learner's parameters in place (refit.zero_copy) and the learner's
-               allocator maps expandable segments (learner.expandable_segments).
+               reads the learner's parameters in place (refit.zero_copy), the learner's
+               allocator maps expandable segments (learner.expandable_segments) and keeps the fp32
+               master weights as int16 remainders (learner.megatron.master_weight_remainders).
 Every setting samples and trains over the tokenizer's ids only (`model.tokenizer_vocab_only`), as
 verl does (TRL does not): the random model's 151,936-row head has ~0.5 % of its mass on the
 tokenizer's 749 ids.
@@ -89,8 +90,10 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
             # in place at each refit (no model-sized export buffer: TRL loads vLLM tensor by tensor);
             # the learner's allocator in expandable segments (2.2 GiB less reserved beyond allocated
             # at the step's peak, H200 2026-11-28)
+            # and the fp32 master weights as int16 remainders beside the bf16 weights (2 bytes a
+            # parameter less; the same updates bit for bit: tests/test_megatron_gpu.py, H200 2026-11-29)
             out += ["learner.megatron.activation_checkpointing=true", "refit.zero_copy=true",
-                    "learner.expandable_segments=true"]
+                    "learner.expandable_segments=true", "learner.megatron.master_weight_remainders=true"]
     blocks = getattr(args, "kv_blocks", 0) or peer_kv_blocks(getattr(args, "kv_blocks_from", None), wl.name)
     if blocks:
         out.append(f"engine.gpu_kv_cache_gib={kv_cache_gib(model, blocks)!r}")
