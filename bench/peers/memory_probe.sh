@@ -3,14 +3,15 @@
 # the GPU tests of the memory tools, then agentrl:multi:memory once per variant; each run's result
 # (learner_memory_gib: allocator peaks by phase, `outside_*` = the driver's count for the learner's
 # process beyond its allocator; engine_memory_gib; gpu_processes_gib) under $OUT/<run>/peers.json.
-#   bash bench/peers/memory_probe.sh [solo] [copy] [expandable] [plain] [engine_expandable] [remainders] [lazy] [eager] [shared] [netshared0] [object_store]
+#   bash bench/peers/memory_probe.sh [solo] [copy] [expandable] [plain] [engine_expandable] [fp32_masters] [lazy] [eager] [shared] [netshared0] [object_store]
 # (default: solo copy lazy). solo: the memory setting as it is (a one-rank learner without NCCL,
-# agentrl/learners/megatron/solo.py; refit.zero_copy; learner.expandable_segments); copy: the refit
+# agentrl/learners/megatron/solo.py; refit.zero_copy; learner.expandable_segments; the fp32 master
+# weights as int16 remainders beside the bf16 weights, learner.megatron.master_weight_remainders); copy: the refit
 # through a flat export buffer (refit.zero_copy=false); expandable: the same as solo (the setting
 # has had expandable segments since 2026-11-28; before, solo had them off); plain: solo with
 # learner.expandable_segments=false; engine_expandable: solo with vLLM's allocator in expandable
-# segments too (engine.expandable_segments); remainders: solo with the fp32 master weights kept as
-# int16 remainders beside the bf16 weights (learner.megatron.master_weight_remainders); lazy / eager:
+# segments too (engine.expandable_segments); fp32_masters: solo with fp32 master weights (no
+# remainders: the setting before 2026-11-29); lazy / eager:
 # the one-rank learner on NCCL (AGENTRL_ONE_RANK_NCCL=1), communicators made lazily / eagerly;
 # shared: eager, split communicators sharing the parent's resources (NCCL_COMM_SPLIT_SHARE_RESOURCES);
 # netshared0: lazy with NCCL_NET_SHARED_BUFFERS=0 (a one-rank communicator allocated a 512 MiB NET
@@ -35,7 +36,7 @@ for run in ${@:-solo copy lazy}; do
     expandable) env=""; args="$args --set learner.expandable_segments=true" ;;
     plain) env=""; args="$args --set learner.expandable_segments=false" ;;
     engine_expandable) env="VLLM_LOGGING_LEVEL=INFO"; args="$args --set engine.expandable_segments=true" ;;
-    remainders) env="VLLM_LOGGING_LEVEL=INFO"; args="$args --set learner.megatron.master_weight_remainders=true" ;;
+    fp32_masters) env="VLLM_LOGGING_LEVEL=INFO"; args="$args --set learner.megatron.master_weight_remainders=false" ;;
     lazy) env="$nccl" ;;
     eager) env="$nccl AGENTRL_NCCL_EAGER_INIT=1" ;;
     shared) env="$nccl AGENTRL_NCCL_EAGER_INIT=1 NCCL_COMM_SPLIT_SHARE_RESOURCES=1" ;;  # split communicators share the parent's
