@@ -255,6 +255,13 @@ class Config(Section):
             # took 15 GiB and left the learner (split) or the engine's wake (sleep) out of memory
             # (bench/RESULTS.md, GPU loop).
             object.__setattr__(mc, "cuda_graphs", False)
+        # A graph replays one micro-batch length (the token budget, rounded up to 128) with the
+        # activations it captured: no graph where micro-batches of that length recompute.
+        graph_len = -(-self.packing.max_tokens_per_microbatch // 128) * 128
+        rat = mc.recompute_above_tokens
+        recompute_graphs = (rat == "auto" or 0 < rat < graph_len) and not mc.activation_checkpointing
+        if recompute_graphs and "cuda_graphs" in mc._auto:
+            object.__setattr__(mc, "cuda_graphs", False)
         if self.learner.backend == "megatron" and self.learner.lora.enabled:
             raise ValueError("learner.lora needs learner.backend=torch: the Megatron-Core learner has no LoRA "
                              "(set learner.backend=torch, or learner.lora.rank=0 for full fine-tuning)")
@@ -272,10 +279,12 @@ class Config(Section):
                     ("pipeline_parallel_size", mc.pipeline_parallel_size == 1),
                     ("context_parallel_size", mc.context_parallel_size == 1),
                     ("activation_checkpointing", not mc.activation_checkpointing),
+                    ("recompute_above_tokens", not recompute_graphs),
                     ("attention", mc.attention == "flex")) if not ok]
                 if off:
                     raise ValueError(f"learner.megatron.cuda_graphs needs attention=flex, no tensor/pipeline/context "
-                                     f"parallelism and no activation checkpointing; got {', '.join(off)} "
+                                     f"parallelism and no activation checkpointing (recompute_above_tokens 0 or "
+                                     f"at least packing.max_tokens_per_microbatch); got {', '.join(off)} "
                                      "(auto, the default, turns it on only where it can run)")
             if mc.master_weight_remainders and (not mc.use_distributed_optimizer or self.model.dtype != "bfloat16"):
                 raise ValueError("learner.megatron.master_weight_remainders needs model.dtype=bfloat16 and "
@@ -287,6 +296,8 @@ class Config(Section):
             if mc.flex_expand_kv and (mc.attention != "flex" or mc.context_parallel_size > 1):
                 idle.append(f"flex_expand_kv (attention={mc.attention}, "
                             f"context_parallel_size={mc.context_parallel_size})")
+            if mc.recompute_above_tokens and mc.activation_checkpointing:
+                idle.append("recompute_above_tokens (activation_checkpointing recomputes every micro-batch)")
             if idle:
                 warnings.warn(f"learner.megatron: {', '.join(idle)} set but without effect here", stacklevel=2)
             need = 2 * mc.context_parallel_size * (mc.tensor_parallel_size if mc.sequence_parallel else 1)

@@ -333,6 +333,8 @@ def test_agentrl_runner_treats_longNk_as_the_long_workload(tmp_path):
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", ovr)
     assert cfg.colocate.engine_sleep is True and cfg.engine.gpu_memory_utilization == 0.25
     assert cfg.engine.max_model_len >= wl.episode_tokens and cfg.packing.max_tokens_per_microbatch >= wl.episode_tokens
+    # its learner recomputes the micro-batches whose activations would not fit (long64k OOMed without)
+    assert cfg.learner.megatron.recompute_above_tokens == "auto" and cfg.learner.megatron.cuda_graphs is False
 
 
 def test_peer_model_serves_the_longest_fit_episode_and_keeps_its_weights_when_its_context_grows(tmp_path, monkeypatch):

@@ -7,7 +7,10 @@ Settings:
                (colocated), since a 16k-token micro-batch does not fit beside a resident engine; its
                engine share is 0.25 (16 episodes of 16.6k tokens need ~7.4 GB of KV cache): at
                0.5 the waking engine found no room beside the learner's weights and optimizer
-               state (an OOM on the H100, 2026-11-25, kept in the results).
+               state (an OOM on the H100, 2026-11-25, kept in the results); and its learner
+               recomputes the layers of a micro-batch whose activations would not fit
+               (learner.megatron.recompute_above_tokens=auto: at 16k none does; without it
+               long64k OOMed on the H200, 2026-11-29).
   like         closest to TRL's colocate mode: the same placement, but on-policy (max_staleness 0:
                generate, then train, then refit, one after the other).
   memory       `like` at TRL's recommended memory settings, for the peak-memory comparison: vLLM's
@@ -85,6 +88,8 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
     else:
         out += [f"colocate.engine_sleep={'true' if colocated else 'false'}",
                 f"engine.gpu_memory_utilization={0.25 if colocated else engine_mem}", "cluster.num_cpus=14"]
+        if colocated and setting != "memory":  # memory recomputes every micro-batch anyway
+            out.append("learner.megatron.recompute_above_tokens=auto")
         if setting == "memory":
             # recompute as TRL's gradient checkpointing; the engines read the learner's parameters
             # in place at each refit (no model-sized export buffer: TRL loads vLLM tensor by tensor);

@@ -201,6 +201,7 @@ class MegatronLearner:
         model.temperature = self.cfg.rollout.temperature or 1.0
         model.chunk_size = self.cfg.packing.logprob_chunk_size
         model.keep_grad_logits = mcfg.keep_grad_logits
+        model.recompute_above_tokens = 0 if mcfg.activation_checkpointing else mcfg.recompute_above_tokens
         model.fused_logprobs = mcfg.fused_logprobs
         # The head's weight gradient straight into DDP's main_grad (see vocab_parallel_logprobs):
         # DDP's hook only adds .grad into main_grad unless it overlaps the gradient reduction.
@@ -358,6 +359,7 @@ class MegatronLearner:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self.model.recomputed_microbatches = 0
         # Longest micro-batch, from the plan (the schedule's p2p shapes; unused with one stage).
         pm = cfg.packing.pad_multiple
         longest = max((sum(padded_length(len(samples[i]), pm) for i in ix) for ix in plan), default=1) + self._pad_to
@@ -376,6 +378,8 @@ class MegatronLearner:
             "train/num_sequences_trained": float(len(samples)), "train/num_tokens": float(sum(len(s) for s in samples)), "train/num_microbatches": float(len(plan) * lay.dp),
             "train/version": float(self.version), "timing/logprobs": t2 - t1, "timing/training": (t3 - t2) + (t1 - t0),
         })
+        if self.model.recompute_above_tokens:  # this rank's micro-batches that recomputed their layers
+            out["train/recomputed_microbatches"] = float(self.model.recomputed_microbatches)
         out.update(PEAKS.step_metrics("forward_backward", "optimizer"))  # on a GPU: this step's peaks
         return out
 

@@ -37,7 +37,43 @@ from agentrl.learners.megatron.compiled import compiled
 from agentrl.learners.megatron.convert import ModelShape
 from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
 
-__all__ = ["AgentGPTModel", "RMSNorm", "build_model", "layer_spec", "rope_inv_freq", "transformer_config"]
+__all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "build_model", "layer_spec", "needs_recompute",
+           "rope_inv_freq", "transformer_config"]
+
+AUTO_RECOMPUTE_SHARE = 0.85
+"""``recompute_above_tokens: auto`` recomputes a micro-batch whose estimated activations exceed
+this share of the memory free at its forward (the rest: allocator rounding, kernels' workspaces,
+the estimate's error)."""
+
+
+def activation_bytes_per_token(shape: ModelShape, *, layers: int, tp: int = 1, element_bytes: int = 2,
+                               head: bool = True, keep_grad_logits: bool = False) -> int:
+    """What one token of a micro-batch keeps on a rank for backward without recompute, in bytes.
+
+    Per transformer layer (elements): the two norms' inputs and outputs, the attention's output and
+    the residual (~7 hidden-sized tensors, whole on every tensor-parallel rank), and the QKV
+    projection, the attention's inputs and the SwiGLU MLP's gate, up and activated outputs (~3
+    hidden- and 3 FFN-sized tensors, split over tensor parallelism): ``7h + (3h + 3f) / tp``.
+    The last stage's head adds its hidden state and, with ``keep_grad_logits``, d logp / d logits
+    (a vocabulary row). At the Qwen2.5-1.5B shape this gives 2.68 MB a token with the kept logits,
+    7 % above what the H200 measured: 2.50 (the step's peak less the static state, 77.4 GiB, over
+    33,279 tokens; bench/RESULTS.md, "Sixteenth session")."""
+    h, f = shape.hidden_size, shape.ffn_hidden_size
+    per_layer = 7 * h + (3 * h + 3 * f) // max(tp, 1)
+    total = layers * per_layer
+    if head:
+        total += 2 * h + (shape.padded_vocab_size(tp) // max(tp, 1) if keep_grad_logits else 0)
+    return total * element_bytes
+
+
+def needs_recompute(tokens: int, limit: int | str, bytes_per_token: int, available: int | None) -> bool:
+    """Whether a micro-batch of ``tokens`` (this rank's) recomputes its layers in backward under
+    ``recompute_above_tokens = limit``: above an integer limit; with ``auto``, when its estimated
+    activations exceed :data:`AUTO_RECOMPUTE_SHARE` of ``available`` bytes (None: unknown, no
+    recompute)."""
+    if limit == "auto":
+        return available is not None and tokens * bytes_per_token > AUTO_RECOMPUTE_SHARE * available
+    return bool(limit) and tokens > int(limit)
 
 
 def _te_available() -> bool:
@@ -96,6 +132,8 @@ def transformer_config(shape: ModelShape, mcfg: Any, *, dtype: torch.dtype = tor
     )
     if mcfg.activation_checkpointing:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif getattr(mcfg, "recompute_above_tokens", 0):  # granularity set per micro-batch (AgentGPTModel)
+        kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
@@ -159,10 +197,22 @@ class AgentGPTModel(GPTModel):
         self.keep_grad_logits = False  # see logprobs.vocab_parallel_logprobs
         self.fused_logprobs = False  # likewise (fused=)
         self.head_grad_to_main_grad = False  # likewise (accumulate_main_grad=): set by the learner
+        self.recompute_above_tokens: int | str = 0  # learner.megatron.recompute_above_tokens: set by the learner
+        self.shape: ModelShape | None = None  # for the activation estimate of recompute_above_tokens=auto
+        self.recomputing = False  # whether the forward in progress recomputes its layers in backward
+        self.recomputed_microbatches = 0  # forwards that did (the learner reads and resets it)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, packed_seq_params: PackedAttentionParams | None = None,
                 **kwargs: Any) -> Tensor:
+        if self.recompute_above_tokens:
+            # Megatron's block reads the granularity at each forward: only a long micro-batch
+            # (this rank's tokens) with gradients recomputes its layers in backward
+            self.recomputing = torch.is_grad_enabled() and needs_recompute(
+                input_ids.shape[-1], self.recompute_above_tokens, self.activation_bytes_per_token(),
+                _available_bytes(input_ids.device) if self.recompute_above_tokens == "auto" else None)
+            self.config.recompute_granularity = "full" if self.recomputing else None
+            self.recomputed_microbatches += int(self.recomputing)
         p = packed_seq_params
         if p is not None and self.rope_in_attention and p.rope_cos is None:
             inv = self._inv_freq.to(position_ids.device)
@@ -172,6 +222,15 @@ class AgentGPTModel(GPTModel):
             p.rope_sin = (emb.sin() * self.rope_scale).to(self.config.params_dtype)
         return super().forward(input_ids, position_ids, attention_mask, labels=labels,
                                packed_seq_params=p, **kwargs)
+
+    def activation_bytes_per_token(self) -> int:
+        """:func:`activation_bytes_per_token` for this rank's stage, as it runs now."""
+        if self.shape is None:
+            return 0
+        return activation_bytes_per_token(
+            self.shape, layers=len(self.decoder.layers), tp=self.pg_collection.tp.size(),
+            element_bytes=torch.empty((), dtype=self.config.params_dtype).element_size(),
+            head=self.post_process, keep_grad_logits=self.keep_grad_logits)
 
     def _postprocess(self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor,
                      labels: Tensor | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -193,7 +252,8 @@ class AgentGPTModel(GPTModel):
             hidden, weight, labels.reshape(-1),
             group=tp_group if tp_group.size() > 1 else None,
             vocab_start=tp_group.rank() * v_local, real_vocab=self.real_vocab,
-            temperature=self.temperature, chunk_size=self.chunk_size, keep_grad_logits=self.keep_grad_logits,
+            temperature=self.temperature, chunk_size=self.chunk_size,
+            keep_grad_logits=self.keep_grad_logits and not self.recomputing,
             fused=self.fused_logprobs, accumulate_main_grad=self.head_grad_to_main_grad)
 
 
@@ -221,9 +281,20 @@ def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dt
         te_rope = dict(rope_in_attention=False, rotary_base=int(params.get("rope_theta", 10000)),
                        rope_scaling=params.get("rope_type") == "llama3",
                        rope_scaling_factor=float(params.get("factor", 8.0)))
-    return AgentGPTModel(
+    model = AgentGPTModel(
         cfg, spec, vocab_size=shape.padded_vocab_size(tp), max_sequence_length=shape.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=shape.tied_embeddings, parallel_output=True,
         inv_freq=inv_freq, rope_scale=scale, real_vocab=min(shape.vocab_size, vocab_limit or shape.vocab_size), **te_rope,
     )
+    model.shape = shape
+    return model
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    """Bytes a forward can still allocate on ``device``: the driver's free memory plus what the
+    caching allocator holds unused. None off CUDA."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
