@@ -70,6 +70,24 @@ def test_master_weights_as_remainders_step_as_fp32_masters_bit_for_bit(tmp_path:
 
 
 @needs_cuda
+def test_recompute_above_tokens_recomputes_long_microbatches_with_the_same_step(tmp_path: Path) -> None:
+    """learner.megatron.recompute_above_tokens: micro-batches above the threshold recompute their
+    layers (less memory), the step's loss and gradient norm stay those of no recompute; auto with
+    memory to spare recomputes nothing."""
+    runs = {}
+    for rc in ("0", "1024", "auto"):
+        out = tmp_path / f"recompute_{rc}.json"
+        _run(1, "--mode", "recompute", "--recompute", rc, "--workdir", str(tmp_path), "--out", str(out))
+        runs[rc] = json.loads(out.read_text())
+    off, on, auto = runs["0"], runs["1024"], runs["auto"]
+    assert off["recomputed"] == 0 and 0 < on["recomputed"] <= on["microbatches"], runs
+    assert auto["recomputed"] == 0, runs
+    assert abs(on["loss"] - off["loss"]) <= 1e-3 * max(1.0, abs(off["loss"])), runs
+    assert abs(on["grad_norm"] - off["grad_norm"]) <= 1e-2 * off["grad_norm"], runs
+    assert on["peak_above_start_gib"] < off["peak_above_start_gib"], runs
+
+
+@needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensor_parallel_2_matches_tp_1(tmp_path: Path) -> None:
     outs = {}

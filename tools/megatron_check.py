@@ -11,6 +11,9 @@ Modes (all on a random model written to ``--workdir`` as an HF checkpoint, bf16;
   the fp32 masters, Adam's moments and the bf16 weights that torch's fused AdamW makes from the
   masters before the step and the step's (clipped) gradients, bit for bit; the masters take 2
   bytes a parameter; save -> step -> load restores them bit for bit.
+* ``recompute``: (world 1) one ``train_step`` with ``learner.megatron.recompute_above_tokens =
+  --recompute`` (an integer or ``auto``): its loss, gradient norm, how many micro-batches recomputed
+  their layers and the step's peak memory, for comparing runs with and without recompute.
 * ``logprobs``: (any world / TP) logprobs of the fixed trajectories, written to ``--out`` (JSON),
   so TP=2 can be compared with TP=1.
 
@@ -82,10 +85,12 @@ def make_trajectories(seed: int = 0) -> list:
     return groups
 
 
-def config(model_dir: Path, tp: int = 1, attention: str = "flex", zero_copy: bool = False, remainders: bool = False):
+def config(model_dir: Path, tp: int = 1, attention: str = "flex", zero_copy: bool = False, remainders: bool = False,
+           recompute: str = "0"):
     from agentrl.config import load_config
 
     return load_config(None, [f"learner.megatron.master_weight_remainders={str(remainders).lower()}",
+        f"learner.megatron.recompute_above_tokens={recompute}",
         f"model.path={model_dir}", "model.dtype=bfloat16", "learner.backend=megatron", f"learner.num_gpus={tp}",
         f"learner.megatron.tensor_parallel_size={tp}", f"learner.megatron.attention={attention}",
         "packing.max_tokens_per_microbatch=4096", "rollout.max_total_tokens=2048", "engine.max_model_len=4096",
@@ -249,9 +254,26 @@ def check_remainders(args: argparse.Namespace) -> dict:
     return res
 
 
+def check_recompute(args: argparse.Namespace) -> dict:
+    from agentrl.learners.megatron.learner import MegatronLearner
+
+    model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
+    cfg = config(model_dir, attention=args.attention, recompute=args.recompute)
+    cfg.learner.megatron.cuda_graphs = False  # the same eager path in every run (graphs keep their own pools)
+    learner = MegatronLearner(cfg)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    metrics = learner.train_step(make_trajectories())
+    return {"recompute": args.recompute, "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
+            "microbatches": metrics["train/num_microbatches"],
+            "recomputed": metrics.get("train/recomputed_microbatches", 0.0),
+            "peak_above_start_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mode", choices=["hf", "remainders", "logprobs"], required=True)
+    ap.add_argument("--mode", choices=["hf", "remainders", "recompute", "logprobs"], required=True)
+    ap.add_argument("--recompute", default="0", help="learner.megatron.recompute_above_tokens (recompute mode)")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)
@@ -263,6 +285,8 @@ def main() -> None:
         res = check_hf(args)
     elif args.mode == "remainders":
         res = check_remainders(args)
+    elif args.mode == "recompute":
+        res = check_recompute(args)
     else:
         from agentrl.learners.megatron.learner import MegatronLearner
 

@@ -25,7 +25,7 @@ source bench/device_env.sh memory_probe
 root=$OUT
 [ "${PROBE_TESTS:-1}" = 0 ] || python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_optim.py tests/test_torch_learner.py \
   tests/test_refit.py tests/test_megatron_logprobs.py tests/test_megatron_gpu.py \
-  -k "${PROBE_K:-fused or peaks or plain or main_grad or zero_copy or remainders}" 2>&1 \
+  -k "${PROBE_K:-fused or peaks or plain or main_grad or zero_copy or remainders or recompute}" 2>&1 \
   | grep -v "Warn\|warn(\|DEBUG" | tail -4
 for run in ${@:-solo copy lazy}; do
   args="--steps ${PROBE_STEPS:-3} ${PROBE_ARGS:-}"
