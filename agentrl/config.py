@@ -20,6 +20,7 @@ from agentrl.config_learner import (
     LearnerConfig,
     LoRAConfig,
     MegatronConfig,
+    graph_length,
     resolve_fast_options,
 )
 from agentrl.config_rollout import (
@@ -257,9 +258,9 @@ class Config(Section):
             object.__setattr__(mc, "cuda_graphs", False)
         # A graph replays one micro-batch length (the token budget, rounded up to 128) with the
         # activations it captured: no graph where micro-batches of that length recompute.
-        graph_len = -(-self.packing.max_tokens_per_microbatch // 128) * 128
         rat = mc.recompute_above_tokens
-        recompute_graphs = (rat == "auto" or 0 < rat < graph_len) and not mc.activation_checkpointing
+        recompute_graphs = (rat == "auto" or 0 < rat < graph_length(self.packing.max_tokens_per_microbatch)) \
+            and not mc.activation_checkpointing
         if recompute_graphs and "cuda_graphs" in mc._auto:
             object.__setattr__(mc, "cuda_graphs", False)
         if self.learner.backend == "megatron" and self.learner.lora.enabled:

@@ -12,7 +12,7 @@ from pydantic import Field, PrivateAttr, model_validator
 
 from agentrl.config_base import Section
 
-__all__ = ["FAST_OPTIONS", "LearnerConfig", "LoRAConfig", "MegatronConfig", "resolve_fast_options"]
+__all__ = ["FAST_OPTIONS", "LearnerConfig", "LoRAConfig", "MegatronConfig", "graph_length", "resolve_fast_options"]
 
 
 class MegatronConfig(Section):
@@ -94,6 +94,12 @@ class MegatronConfig(Section):
             if name in self._auto:
                 object.__setattr__(self, name, on)  # plain set: no re-validation from inside the validator
         return self
+
+
+def graph_length(budget: int) -> int:
+    """Micro-batch length under ``learner.megatron.cuda_graphs``: the token budget
+    (packing.max_tokens_per_microbatch), rounded up to 128; every micro-batch is padded to it."""
+    return -(-budget // 128) * 128
 
 
 FAST_OPTIONS = ("cuda_graphs", "keep_grad_logits", "fused_logprobs", "flex_expand_kv")

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from agentrl.config_learner import graph_length
 from agentrl.learners.common import (
     PEAKS,
     TrainSample,
@@ -57,11 +58,6 @@ if TYPE_CHECKING:
 __all__ = ["MegatronLearner"]
 
 _PAD_TO = 128  # total packed length multiple: steady shapes for compiled kernels
-
-
-def _graph_length(budget: int) -> int:
-    """Micro-batch length under ``learner.megatron.cuda_graphs``: the token budget, rounded up to 128."""
-    return -(-budget // _PAD_TO) * _PAD_TO
 
 
 @dataclass
@@ -224,7 +220,7 @@ class MegatronLearner:
         T = packed.input_ids.shape[1]
         extra = (-T) % self._pad_to
         if self.cfg.learner.megatron.cuda_graphs:  # one length, one graph: pad up to the budget
-            extra = max(extra, _graph_length(self.cfg.packing.max_tokens_per_microbatch) - T)
+            extra = max(extra, graph_length(self.cfg.packing.max_tokens_per_microbatch) - T)
         cu = packed.cu_seqlens.to(torch.int32).cpu()
         ids, pos = packed.input_ids[0], packed.position_ids[0]
         keep = packed.real_mask()[0] & (pos > 0)  # host tensors: no device round trip

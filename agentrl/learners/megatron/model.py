@@ -208,9 +208,10 @@ class AgentGPTModel(GPTModel):
         if self.recompute_above_tokens:
             # Megatron's block reads the granularity at each forward: only a long micro-batch
             # (this rank's tokens) with gradients recomputes its layers in backward
+            auto = self.recompute_above_tokens == "auto"
             self.recomputing = torch.is_grad_enabled() and needs_recompute(
-                input_ids.shape[-1], self.recompute_above_tokens, self.activation_bytes_per_token(),
-                _available_bytes(input_ids.device) if self.recompute_above_tokens == "auto" else None)
+                input_ids.shape[-1], self.recompute_above_tokens, self.activation_bytes_per_token() if auto else 0,
+                _available_bytes(input_ids.device) if auto else None)
             self.config.recompute_granularity = "full" if self.recomputing else None
             self.recomputed_microbatches += int(self.recomputing)
         p = packed_seq_params
@@ -229,7 +230,7 @@ class AgentGPTModel(GPTModel):
             return 0
         return activation_bytes_per_token(
             self.shape, layers=len(self.decoder.layers), tp=self.pg_collection.tp.size(),
-            element_bytes=torch.empty((), dtype=self.config.params_dtype).element_size(),
+            element_bytes=self.config.params_dtype.itemsize,
             head=self.post_process, keep_grad_logits=self.keep_grad_logits)
 
     def _postprocess(self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor,
