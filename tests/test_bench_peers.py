@@ -375,7 +375,8 @@ def test_sigterm_becomes_a_keyboardinterrupt_a_runner_can_write_its_steps_from()
 
 def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
     """device.sh fit:SYSTEM:SETTINGS:N1,N2,...: longNk in the order given, one timed step each,
-    stopping at the first run whose result is not "ok" (here a stand-in runner that OOMs at 32k)."""
+    stopping at the first run whose result is not "ok" (here a stand-in runner that OOMs at 32k), or,
+    with the lengths longest first, at the first that is."""
     import shutil
     import subprocess
     from pathlib import Path
@@ -405,6 +406,16 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
                           env=env, capture_output=True, text=True, timeout=120)
     out = proc.stdout
     assert "fit: agentrl (recommended) fits long16k" in out and "fits long24k" in out, out + proc.stderr
-    assert 'stops fitting at long32k: "status": "oom"' in out, out
+    assert 'does not fit long32k: "status": "oom"' in out, out
     assert "long48k" not in out and proc.returncode == 0, out  # stopped there; a fit probe's OOM is its answer
     assert '"steps": 1' in (tmp_path / "out" / "agentrl-long16k.log").read_text()
+
+    # longest first: probe down until one fits (an OOM ends a run early; a fit costs whole steps)
+    out_down = tmp_path / "out_down"
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "fit:agentrl:recommended:64,48,24,16"], cwd=work,
+                          env={**env, "OUT": str(out_down)}, capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert 'does not fit long64k: "status": "oom"' in out and 'does not fit long48k' in out, out + proc.stderr
+    assert "fit: agentrl (recommended) fits long24k" in out, out
+    assert "long16k" not in out and proc.returncode == 0, out  # the longest that fits ends the probe
+    assert not (out_down / "agentrl-long16k.log").exists()

@@ -14,7 +14,9 @@
 # copies its log and result to $OUT and exits 0 once it ended, 4 while it still runs (call `wait` again).
 # Run no other step while a detached run is on the GPU (a run step ends by killing Ray and vLLM leftovers).
 #   bash bench/peers/device.sh fit:agentrl:recommended:16,24,32,48   # where a system stops fitting:
-# longNk for each N in turn (1 warm-up + 1 timed step each, PEER_ARGS after), until a run is not "ok".
+# longNk for each N in turn (1 warm-up + 1 timed step each, PEER_ARGS after), until a run is not "ok";
+# lengths given longest first (fit:trl:recommended:64,48,32) probe down instead, until a run is "ok"
+# (an OOM comes early in a run, a fit costs whole steps: the cheaper order where most lengths fail).
 set -o pipefail
 source bench/device_env.sh peers  # carry check, import links, environment, $OUT, the GPU
 rc=0
@@ -56,14 +58,18 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       run_step "$system" "$workload" "$settings" || rc=1 ;;
     fit:*)
       IFS=: read -r _ system settings lengths <<< "$step"
-      for n in ${lengths//,/ }; do
+      read -r -a ns <<< "${lengths//,/ }"
+      down=0; [ "${#ns[@]}" -gt 1 ] && [ "${ns[0]}" -gt "${ns[1]}" ] && down=1  # longest first: probe down
+      for n in "${ns[@]}"; do
         run_step "$system" "long${n}k" "$settings" --steps 1
         last=$(grep "^RESULT" "$OUT/${system}-long${n}k.log" | tail -1)
-        if [[ $last != *'"status": "ok"'* ]]; then
-          echo "fit: $system ($settings) stops fitting at long${n}k: $(grep -o '"status": "[a-z]*"' <<< "$last" || echo 'no result')"
-          break
+        if [[ $last == *'"status": "ok"'* ]]; then
+          echo "fit: $system ($settings) fits long${n}k"
+          [ $down = 1 ] && break
+        else
+          echo "fit: $system ($settings) does not fit long${n}k: $(grep -o '"status": "[a-z]*"' <<< "$last" || echo 'no result')"
+          [ $down = 0 ] && break
         fi
-        echo "fit: $system ($settings) fits long${n}k"
       done ;;
     start:*)
       IFS=: read -r _ system workload settings <<< "$step"
