@@ -337,6 +337,34 @@ def test_agentrl_runner_treats_longNk_as_the_long_workload(tmp_path):
     assert cfg.learner.megatron.recompute_above_tokens == "auto" and cfg.learner.megatron.cuda_graphs is False
 
 
+def test_fit_probe_batch_keeps_the_episode_length_and_names_the_smaller_batch(tmp_path, capsys):
+    """--group-size / --prompts-per-step (device.sh fit probes): the same episodes, fewer of them a
+    step, under a name of their own; agentrl's micro-batch and engine stay those of the full workload."""
+    from pathlib import Path
+
+    from bench.peers import run_agentrl
+    from bench.peers.common import harness_parser, run_workload
+
+    parser = harness_parser(run_agentrl.__doc__)
+    full = run_workload(parser.parse_args(["--workload", "long64k"]))
+    assert full == workload("long64k")  # nothing given: the workload itself, its own name
+    args = parser.parse_args(["--workload", "long64k", "--group-size", "4", "--prompts-per-step", "1",
+                              "--workdir", str(tmp_path)])
+    probe = run_workload(args)
+    assert probe.name == "long64k-g4p1" and (probe.group_size, probe.prompts_per_step) == (4, 1)
+    assert probe.episode_tokens == full.episode_tokens and probe.obs_tokens == full.obs_tokens
+    args.cpu, args.engine_mem, args.set = False, 0.2, []
+    root = Path(__file__).resolve().parents[1]
+    cfgs = [load_config(root / "configs" / "gpu_1x.yaml",
+                        run_agentrl.overrides(args, wl, str(tmp_path / "m"), str(tmp_path / "t.json"), "recommended"))
+            for wl in (full, probe)]
+    assert (cfgs[1].rollout.group_size, cfgs[1].replay.groups_per_step) == (4, 1)
+    assert cfgs[1].packing.max_tokens_per_microbatch == cfgs[0].packing.max_tokens_per_microbatch
+    assert cfgs[1].engine.gpu_memory_utilization == cfgs[0].engine.gpu_memory_utilization
+    with pytest.raises(SystemExit, match="group-size must be >= 2"):
+        run_workload(parser.parse_args(["--workload", "long64k", "--group-size", "1"]))
+
+
 def test_peer_model_serves_the_longest_fit_episode_and_keeps_its_weights_when_its_context_grows(tmp_path, monkeypatch):
     """The harness's model takes every longNk episode (past 32k too); a model made earlier with a
     shorter context gets the new one in its config and keeps its weight file untouched."""
@@ -394,10 +422,13 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
         "import argparse, json\n"
         "p = argparse.ArgumentParser(); p.add_argument('--workload'); p.add_argument('--settings')\n"
         "p.add_argument('--out'); p.add_argument('--workdir'); p.add_argument('--steps', type=int)\n"
+        "p.add_argument('--warmup', type=int, default=1); p.add_argument('--group-size', type=int, default=8)\n"
+        "p.add_argument('--prompts-per-step', type=int, default=2)\n"
         "a = p.parse_args()\n"
         "n = int(a.workload[4:-1])\n"
         "status = 'ok' if n < 32 else 'oom'\n"
-        "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps}))\n"
+        "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps,\n"
+        "                              'batch': [a.warmup, a.group_size, a.prompts_per_step]}))\n"
         "raise SystemExit(0 if status == 'ok' else 1)\n")
     env = {**__import__("os").environ, "DEVICE_SITE": str(tmp_path / "site"), "PEERS_RUNNERS": str(runners),
            "OUT": str(tmp_path / "out"), "SETTLE_S": "0", "PEER_ARGS": "",
@@ -408,14 +439,17 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
     assert "fit: agentrl (recommended) fits long16k" in out and "fits long24k" in out, out + proc.stderr
     assert 'does not fit long32k: "status": "oom"' in out, out
     assert "long48k" not in out and proc.returncode == 0, out  # stopped there; a fit probe's OOM is its answer
-    assert '"steps": 1' in (tmp_path / "out" / "agentrl-long16k.log").read_text()
+    assert '"steps": 1, "batch": [1, 8, 2]' in (tmp_path / "out" / "agentrl-long16k.log").read_text()
 
-    # longest first: probe down until one fits (an OOM ends a run early; a fit costs whole steps)
+    # longest first: probe down until one fits (an OOM ends a run early; a fit costs whole steps);
+    # FIT_PROBE=1: each run one step of 4 episodes, no warm-up
     out_down = tmp_path / "out_down"
     proc = subprocess.run(["bash", "bench/peers/device.sh", "fit:agentrl:recommended:64,48,24,16"], cwd=work,
-                          env={**env, "OUT": str(out_down)}, capture_output=True, text=True, timeout=120)
+                          env={**env, "OUT": str(out_down), "FIT_PROBE": "1"}, capture_output=True, text=True,
+                          timeout=120)
     out = proc.stdout
     assert 'does not fit long64k: "status": "oom"' in out and 'does not fit long48k' in out, out + proc.stderr
     assert "fit: agentrl (recommended) fits long24k" in out, out
     assert "long16k" not in out and proc.returncode == 0, out  # the longest that fits ends the probe
     assert not (out_down / "agentrl-long16k.log").exists()
+    assert '"steps": 1, "batch": [0, 4, 1]' in (out_down / "agentrl-long24k.log").read_text()

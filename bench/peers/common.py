@@ -430,7 +430,29 @@ def harness_parser(doc: str, settings: str = "recommended") -> argparse.Argument
     p.add_argument("--out", default="peers.json")
     p.add_argument("--workdir", default="/tmp/peers")
     p.add_argument("--scale", type=float, default=1.0, help="scale the workload's sizes (CPU checks)")
+    p.add_argument("--group-size", type=int, default=0, help="samples per prompt instead of the workload's")
+    p.add_argument("--prompts-per-step", type=int, default=0, help="prompts per step instead of the workload's")
     return p
+
+
+def run_workload(args: argparse.Namespace) -> Workload:
+    """The workload a runner runs: ``--workload``, scaled by ``--scale``, with ``--group-size`` and
+    ``--prompts-per-step`` where given. An episode's length stays the workload's; a changed batch is
+    named in the result (``long64k-g4p1``: 4 samples of 1 prompt a step), so it is never read as the
+    workload itself. What it is for: a fit probe (device.sh ``fit:``), where one step of a few
+    episodes answers "does an episode this long fit" at a fraction of a full step's time, since every
+    system here trains one long episode per micro-batch (agentrl's ``micro_batch_tokens``, TRL's
+    ``per_device_train_batch_size`` 1, verl's ``ppo_max_token_len_per_gpu``) and sizes its engine's
+    KV cache by a memory fraction, neither by the episodes in a step."""
+    wl = workload(args.workload)
+    wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
+    group = getattr(args, "group_size", 0) or wl.group_size
+    prompts = getattr(args, "prompts_per_step", 0) or wl.prompts_per_step
+    if group < 2 or prompts < 1:
+        raise SystemExit(f"--group-size must be >= 2 (GRPO's groups) and --prompts-per-step >= 1: got {group}, {prompts}")
+    if (group, prompts) != (wl.group_size, wl.prompts_per_step):
+        wl = replace(wl, name=f"{wl.name}-g{group}p{prompts}", group_size=group, prompts_per_step=prompts)
+    return wl
 
 
 def stop_on_sigterm() -> None:

@@ -17,6 +17,10 @@
 # longNk for each N in turn (1 warm-up + 1 timed step each, PEER_ARGS after), until a run is not "ok";
 # lengths given longest first (fit:trl:recommended:64,48,32) probe down instead, until a run is "ok"
 # (an OOM comes early in a run, a fit costs whole steps: the cheaper order where most lengths fail).
+# FIT_PROBE=1 makes each a probe: one step of 4 episodes (1 prompt x 4 samples, no warm-up; results
+# named longNk-g4p1), the same memory per micro-batch as the full workload's 16 (common.run_workload)
+# at a quarter of a step: TRL's long48k did not finish a step of 16 in 270 s on the H200.
+# A fresh machine's first run also makes the harness model (minutes): give it RUN_TIMEOUT >= 540.
 set -o pipefail
 source bench/device_env.sh peers  # carry check, import links, environment, $OUT, the GPU
 rc=0
@@ -60,8 +64,9 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       IFS=: read -r _ system settings lengths <<< "$step"
       read -r -a ns <<< "${lengths//,/ }"
       down=0; [ "${#ns[@]}" -gt 1 ] && [ "${ns[0]}" -gt "${ns[1]}" ] && down=1  # longest first: probe down
+      probe=""; [ "${FIT_PROBE:-0}" = 1 ] && probe="--warmup 0 --group-size 4 --prompts-per-step 1"
       for n in "${ns[@]}"; do
-        run_step "$system" "long${n}k" "$settings" --steps 1
+        run_step "$system" "long${n}k" "$settings" --steps 1 $probe
         last=$(grep "^RESULT" "$OUT/${system}-long${n}k.log" | tail -1)
         if [[ $last == *'"status": "ok"'* ]]; then
           echo "fit: $system ($settings) fits long${n}k"

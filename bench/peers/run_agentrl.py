@@ -48,8 +48,8 @@ from bench.peers.common import (
     observation_text,
     pinned_versions,
     prompt_texts,
+    run_workload,
     timed_summary,
-    workload,
     write_result,
 )
 
@@ -225,8 +225,7 @@ def main() -> None:
                    help="--kv-blocks from the last peer result on this workload in PEERS_JSON (its extra.kv_blocks)")
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
-    wl = workload(args.workload)
-    wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
+    wl = run_workload(args)
     model = make_model(Path(args.workdir) / f"model-{'cpu' if args.cpu else '1.5b'}", "cpu" if args.cpu else "1.5b")
     from transformers import AutoTokenizer
 

@@ -41,9 +41,9 @@ from bench.peers.common import (
     pinned_versions,
     prompt_texts,
     reply_reward,
+    run_workload,
     stop_on_sigterm,
     timed_summary,
-    workload,
     write_result,
 )
 
@@ -213,8 +213,7 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="a CPU check of the harness (transformers generate, no vLLM)")
     p.add_argument("--any-version", action="store_true")
     args = p.parse_args()
-    wl = workload(args.workload)
-    wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
+    wl = run_workload(args)
     model = make_model(Path(args.workdir) / f"model-{'cpu' if args.cpu else '1.5b'}", "cpu" if args.cpu else "1.5b")
     from transformers import AutoTokenizer
 

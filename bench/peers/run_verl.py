@@ -56,8 +56,8 @@ from bench.peers.common import (
     observation_text,
     pinned_versions,
     prompt_texts,
+    run_workload,
     timed_summary,
-    workload,
     write_result,
 )
 
@@ -418,8 +418,7 @@ def main() -> None:
 
     if verl.__version__ != PINNED["verl"] and not args.any_version:
         raise SystemExit(f"the harness pins verl=={PINNED['verl']}, found {verl.__version__} (--any-version to run anyway)")
-    wl = workload(args.workload)
-    wl = wl.scaled(args.scale) if args.scale != 1.0 else wl
+    wl = run_workload(args)
     workdir = Path(args.workdir)
     model = make_model(workdir / f"model-{'cpu' if args.dry_run else '1.5b'}", "cpu" if args.dry_run else "1.5b")
     from transformers import AutoTokenizer
