@@ -453,3 +453,4 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
     assert "long16k" not in out and proc.returncode == 0, out  # the longest that fits ends the probe
     assert not (out_down / "agentrl-long16k.log").exists()
     assert '"steps": 1, "batch": [0, 4, 1]' in (out_down / "agentrl-long24k.log").read_text()
+

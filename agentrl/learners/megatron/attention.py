@@ -149,6 +149,8 @@ class PackedCoreAttention(MegatronModule):
         bounds = p.cache.get("bounds")
         if bounds is None:
             bounds = p.cache["bounds"] = p.cu_seqlens_q.tolist()
+        if self.expand_kv and k.shape[1] != q.shape[1]:  # for SDPA kernels without GQA (bench/attention.py)
+            k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         outs = []
         for s, e in itertools.pairwise(bounds):
             qd, kd, vd = (x[s:e].transpose(0, 1).unsqueeze(0) for x in (q, k, v))
