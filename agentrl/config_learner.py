@@ -27,15 +27,17 @@ class MegatronConfig(Section):
     activation_checkpointing: bool = False
     """Recompute each transformer layer in the backward pass (less memory, more compute)."""
     recompute_above_tokens: int | Literal["auto"] = 0
-    """Recompute each transformer layer in the backward pass only for the micro-batches that need
-    it: those of more than this many tokens (the tokens a rank holds: the micro-batch's divided by
-    context_parallel_size); shorter ones keep their activations and their speed. ``auto``: those
-    whose activations, estimated from the model's shape, would not fit in 85 % of the GPU memory
-    free at their forward (CUDA only). For long episodes on few GPUs: at the Qwen2.5-1.5B shape a
+    """Recompute transformer layers in the backward pass only for the micro-batches that need it:
+    every layer of those of more than this many tokens (the tokens a rank holds: the micro-batch's
+    divided by context_parallel_size); shorter ones keep their activations and their speed.
+    ``auto``: those whose activations, estimated from the model's shape, would not fit in 85 % of
+    the GPU memory free at their forward (CUDA only), and of those only as many layers as make them
+    fit (the first ones of each stage). For long episodes on few GPUs: at the Qwen2.5-1.5B shape a
     token keeps ~2.5 MB of activations without recompute (the estimate says 2.7), so on one H200 a
-    32k-token micro-batch fits and a 64k one does not (bench/RESULTS.md, "Sixteenth session"). A
-    recomputed micro-batch also recomputes its logits in backward (no keep_grad_logits). 0 (the
-    default): off; activation_checkpointing recomputes every micro-batch."""
+    32k-token micro-batch fits without and a 64k one trains with (bench/RESULTS.md, "Sixteenth
+    session", "Seventeenth session"). A micro-batch that recomputes also recomputes its logits in
+    backward (no keep_grad_logits). 0 (the default): off; activation_checkpointing recomputes every
+    layer of every micro-batch."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     master_weight_remainders: bool = False

@@ -73,18 +73,25 @@ def test_master_weights_as_remainders_step_as_fp32_masters_bit_for_bit(tmp_path:
 def test_recompute_above_tokens_recomputes_long_microbatches_with_the_same_step(tmp_path: Path) -> None:
     """learner.megatron.recompute_above_tokens: micro-batches above the threshold recompute their
     layers (less memory), the step's loss and gradient norm stay those of no recompute; auto with
-    memory to spare recomputes nothing."""
+    memory to spare recomputes nothing, with memory for some layers only some of them."""
     runs = {}
-    for rc in ("0", "1024", "auto"):
+    for rc, extra in (("0", ()), ("1024", ()), ("auto", ()), ("partial", ("--partial",))):
         out = tmp_path / f"recompute_{rc}.json"
-        _run(1, "--mode", "recompute", "--recompute", rc, "--workdir", str(tmp_path), "--out", str(out))
+        _run(1, "--mode", "recompute", "--recompute", "auto" if rc == "partial" else rc, *extra,
+             "--workdir", str(tmp_path), "--out", str(out))
         runs[rc] = json.loads(out.read_text())
-    off, on, auto = runs["0"], runs["1024"], runs["auto"]
+    off, on, auto, part = runs["0"], runs["1024"], runs["auto"], runs["partial"]
     assert off["recomputed"] == 0 and 0 < on["recomputed"] <= on["microbatches"], runs
     assert auto["recomputed"] == 0, runs
-    assert abs(on["loss"] - off["loss"]) <= 1e-3 * max(1.0, abs(off["loss"])), runs
-    assert abs(on["grad_norm"] - off["grad_norm"]) <= 1e-2 * off["grad_norm"], runs
+    for r in (on, part):
+        assert abs(r["loss"] - off["loss"]) <= 1e-3 * max(1.0, abs(off["loss"])), runs
+        assert abs(r["grad_norm"] - off["grad_norm"]) <= 1e-2 * off["grad_norm"], runs
     assert on["peak_above_start_gib"] < off["peak_above_start_gib"], runs
+    # auto with memory for about half the layers: some micro-batches recompute some of their layers,
+    # and the step's peak lies below none recomputed, at or above all (the optimizer's first step,
+    # its moments made then, may be the peak of both)
+    assert part["recomputed"] > 0 and 0 < part["recomputed_layers"] < part["layers"], runs
+    assert on["peak_above_start_gib"] - 1e-3 <= part["peak_above_start_gib"] < off["peak_above_start_gib"], runs
 
 
 @needs_cuda

@@ -97,7 +97,41 @@ def _case() -> dict[str, Any]:
     res["estimate"] = model.activation_bytes_per_token()
     res["calls_after"] = calls["checkpointed"]
     res["recomputed_microbatches"] = model.recomputed_microbatches
-    res["keep_grad_logits"] = calls["keep_grad_logits"]
+    res["keep_grad_logits"] = list(calls["keep_grad_logits"])
+
+    # auto with memory for some layers' activations, not all (the free memory stood in for): the
+    # first n layers recompute, the rest keep theirs; the same outputs and gradients
+    layers = len(model.decoder.layers)
+    tokens = long_batch[0].shape[-1]
+    plan = {a: model_mod.layers_to_recompute(tokens, "auto", shape=shape, layers=layers, tp=1, element_bytes=4,
+                                             keep_grad_logits=True, available=a) for a in range(1000, 400_000, 500)}
+    res["plan"] = sorted(set(plan.values()))
+    partial = next(a for a, n in plan.items() if 0 < n < layers)
+    model_mod._available_bytes = lambda device: partial
+    model.recomputed_layers = model.recomputed_microbatches = 0
+    import megatron.core.transformer.transformer_block as tb
+
+    checkpointed_layers = []
+    inner_ckpt = tb.tensor_parallel.checkpoint
+
+    def counted_ckpt(fn: Any, *a: Any, **k: Any) -> Any:
+        checkpointed_layers.append(1)
+        return inner_ckpt(fn, *a, **k)
+
+    tb.tensor_parallel.checkpoint = counted_ckpt
+    try:
+        out_p, grads_p, res["partial_recomputes"], res["partial_granularity"] = run(*long_batch)
+    finally:
+        tb.tensor_parallel.checkpoint = inner_ckpt
+    res["partial_plan"] = plan[partial]
+    res["partial_method"] = (model.config.recompute_method, model.config.recompute_num_layers)
+    res["partial_checkpointed_layers"] = len(checkpointed_layers)
+    res["partial_recomputed_layers"] = model.recomputed_layers
+    res["partial_out_err"] = float((out_p - out_k).abs().max())
+    res["partial_grad_err"] = max(float((grads_p[n] - grads_k[n]).abs().max() / (grads_k[n].abs().max() + 1e-12))
+                                  for n in grads_k)
+    res["partial_keep_grad_logits"] = calls["keep_grad_logits"][-1]
+    res["layers"] = layers
     return res
 
 
@@ -156,6 +190,18 @@ def test_short_microbatches_and_forward_only_passes_keep_their_activations(resul
     assert result["keep_grad_logits"] == [False, True, True, True, True]
 
 
+def test_auto_recomputes_only_the_layers_the_free_memory_cannot_hold(result: dict[str, Any]) -> None:
+    layers = result["layers"]
+    assert result["plan"] == list(range(layers + 1))  # from every layer down to none as memory grows
+    assert 0 < result["partial_plan"] < layers
+    assert result["partial_recomputes"] is True and result["partial_granularity"] == "full"
+    assert result["partial_method"] == ("block", result["partial_plan"])
+    # Megatron checkpointed exactly those layers, one checkpoint each
+    assert result["partial_checkpointed_layers"] == result["partial_plan"] == result["partial_recomputed_layers"]
+    assert result["partial_out_err"] == 0.0 and result["partial_grad_err"] < 1e-5, result["partial_grad_err"]
+    assert result["partial_keep_grad_logits"] is False
+
+
 def _megatron(*extra: str):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -186,7 +232,7 @@ def test_auto_recomputes_where_the_estimated_activations_exceed_the_free_memory(
     from agentrl.learners.megatron.model import (
         AUTO_RECOMPUTE_SHARE,
         activation_bytes_per_token,
-        needs_recompute,
+        layers_to_recompute,
     )
 
     shape = ModelShape.from_hf_config(Qwen2Config(
@@ -201,12 +247,23 @@ def test_auto_recomputes_where_the_estimated_activations_exceed_the_free_memory(
     assert activation_bytes_per_token(shape, layers=28) < per_token
     assert activation_bytes_per_token(shape, layers=28, tp=2, keep_grad_logits=True) < per_token
     assert activation_bytes_per_token(shape, layers=14, head=False) < activation_bytes_per_token(shape, layers=28)
+
+    def plan(tokens: int, limit: int | str, free: int | None) -> int:
+        return layers_to_recompute(tokens, limit, shape=shape, layers=28, keep_grad_logits=True, available=free)
+
     # one H200 with the engine asleep: ~110 GiB free for a step's activations
     free = 110 * 2**30
-    assert not needs_recompute(33_279, "auto", per_token, free)  # 32k fits (it did, 2026-11-29)
-    assert needs_recompute(66_048, "auto", per_token, free)  # 64k does not (it OOMed)
+    assert plan(33_279, "auto", free) == 0  # 32k fits whole (it did, 2026-11-29)
+    # 64k does not (it OOMed without recompute, trained with all 28 layers recomputed): about half
+    # of the layers make it fit, and the estimate with them stays within the share of the memory
+    n = plan(66_048, "auto", free)
+    assert 10 <= n <= 18, n
+    kept = (28 - n) * activation_bytes_per_token(shape, layers=1, head=False) + n * 1536 * 2
+    assert 66_048 * kept < AUTO_RECOMPUTE_SHARE * free
+    assert plan(66_048, "auto", free // 2) > n and plan(66_048, "auto", 2 * free) < n  # less memory, more layers
+    assert plan(262_144, "auto", free // 4) == 28  # nothing else fits: all of them
     edge = int(AUTO_RECOMPUTE_SHARE * free / per_token)
-    assert not needs_recompute(edge, "auto", per_token, free) and needs_recompute(edge + 1, "auto", per_token, free)
-    assert not needs_recompute(10**6, "auto", per_token, None)  # no CUDA: nothing to measure
-    assert needs_recompute(4097, 4096, per_token, None) and not needs_recompute(4096, 4096, per_token, None)
-    assert not needs_recompute(10**6, 0, per_token, free)
+    assert plan(edge, "auto", free) == 0 and plan(edge + 1, "auto", free) > 0
+    assert plan(10**6, "auto", None) == 0  # no CUDA: nothing to measure
+    assert plan(4097, 4096, None) == 28 and plan(4096, 4096, None) == 0  # a limit: all layers or none
+    assert plan(10**6, 0, free) == 0

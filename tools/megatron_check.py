@@ -13,7 +13,9 @@ Modes (all on a random model written to ``--workdir`` as an HF checkpoint, bf16;
   bytes a parameter; save -> step -> load restores them bit for bit.
 * ``recompute``: (world 1) one ``train_step`` with ``learner.megatron.recompute_above_tokens =
   --recompute`` (an integer or ``auto``): its loss, gradient norm, how many micro-batches recomputed
-  their layers and the step's peak memory, for comparing runs with and without recompute.
+  layers (and how many a micro-batch, on average) and the step's peak memory, for comparing runs with
+  and without recompute; ``--partial`` (with auto) stands in a free memory that holds about half the
+  layers' activations of a full micro-batch, so auto recomputes only some layers.
 * ``logprobs``: (any world / TP) logprobs of the fixed trajectories, written to ``--out`` (JSON),
   so TP=2 can be compared with TP=1.
 
@@ -261,12 +263,25 @@ def check_recompute(args: argparse.Namespace) -> dict:
     cfg = config(model_dir, attention=args.attention, recompute=args.recompute)
     cfg.learner.megatron.cuda_graphs = False  # the same eager path in every run (graphs keep their own pools)
     learner = MegatronLearner(cfg)
+    res: dict = {"recompute": args.recompute}
+    if args.partial:  # auto, as if the free memory held about half the layers' activations of a full micro-batch
+        from agentrl.learners.megatron import model as model_mod
+
+        m = learner.model
+        tokens = cfg.packing.max_tokens_per_microbatch
+        res["layers"] = len(m.decoder.layers)
+        available = next(a for a in (2**20 * k for k in range(1, 2**17))
+                         if model_mod.layers_to_recompute(tokens, "auto", shape=m.shape, keep_grad_logits=m.keep_grad_logits,
+                                                          available=a, **m._stage_sizes()) <= res["layers"] // 2)
+        model_mod._available_bytes = lambda device: available
+        res["available_stood_in_gib"] = available / 2**30
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     metrics = learner.train_step(make_trajectories())
-    return {"recompute": args.recompute, "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
+    return {**res, "loss": metrics["train/loss"], "grad_norm": metrics["train/grad_norm"],
             "microbatches": metrics["train/num_microbatches"],
             "recomputed": metrics.get("train/recomputed_microbatches", 0.0),
+            "recomputed_layers": metrics.get("train/recomputed_layers", 0.0),
             "peak_above_start_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
 
 
@@ -274,6 +289,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mode", choices=["hf", "remainders", "recompute", "logprobs"], required=True)
     ap.add_argument("--recompute", default="0", help="learner.megatron.recompute_above_tokens (recompute mode)")
+    ap.add_argument("--partial", action="store_true",
+                    help="recompute mode, auto: stand in a free memory that holds about half the layers' activations")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)

@@ -355,7 +355,7 @@ class MegatronLearner:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.model.recomputed_microbatches = 0
+        self.model.recomputed_microbatches = self.model.recomputed_layers = 0
         # Longest micro-batch, from the plan (the schedule's p2p shapes; unused with one stage).
         pm = cfg.packing.pad_multiple
         longest = max((sum(padded_length(len(samples[i]), pm) for i in ix) for ix in plan), default=1) + self._pad_to
@@ -374,8 +374,10 @@ class MegatronLearner:
             "train/num_sequences_trained": float(len(samples)), "train/num_tokens": float(sum(len(s) for s in samples)), "train/num_microbatches": float(len(plan) * lay.dp),
             "train/version": float(self.version), "timing/logprobs": t2 - t1, "timing/training": (t3 - t2) + (t1 - t0),
         })
-        if self.model.recompute_above_tokens:  # this rank's micro-batches that recomputed their layers
-            out["train/recomputed_microbatches"] = float(self.model.recomputed_microbatches)
+        if self.model.recompute_above_tokens:  # this rank's micro-batches that recomputed layers, and how many
+            n = self.model.recomputed_microbatches
+            out["train/recomputed_microbatches"] = float(n)
+            out["train/recomputed_layers"] = self.model.recomputed_layers / n if n else 0.0  # mean a micro-batch
         out.update(PEAKS.step_metrics("forward_backward", "optimizer"))  # on a GPU: this step's peaks
         return out
 

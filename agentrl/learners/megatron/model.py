@@ -37,7 +37,7 @@ from agentrl.learners.megatron.compiled import compiled
 from agentrl.learners.megatron.convert import ModelShape
 from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
 
-__all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "build_model", "layer_spec", "needs_recompute",
+__all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "build_model", "layer_spec", "layers_to_recompute",
            "rope_inv_freq", "transformer_config"]
 
 AUTO_RECOMPUTE_SHARE = 0.85
@@ -66,14 +66,34 @@ def activation_bytes_per_token(shape: ModelShape, *, layers: int, tp: int = 1, e
     return total * element_bytes
 
 
-def needs_recompute(tokens: int, limit: int | str, bytes_per_token: int, available: int | None) -> bool:
-    """Whether a micro-batch of ``tokens`` (this rank's) recomputes its layers in backward under
-    ``recompute_above_tokens = limit``: above an integer limit; with ``auto``, when its estimated
-    activations exceed :data:`AUTO_RECOMPUTE_SHARE` of ``available`` bytes (None: unknown, no
-    recompute)."""
-    if limit == "auto":
-        return available is not None and tokens * bytes_per_token > AUTO_RECOMPUTE_SHARE * available
-    return bool(limit) and tokens > int(limit)
+def layers_to_recompute(tokens: int, limit: int | str, *, shape: ModelShape | None, layers: int, tp: int = 1,
+                        element_bytes: int = 2, head: bool = True, keep_grad_logits: bool = False,
+                        available: int | None = None) -> int:
+    """How many of a stage's ``layers`` a micro-batch of ``tokens`` (this rank's) recomputes in
+    backward under ``recompute_above_tokens = limit``: all of them above an integer limit, none at
+    or below it. With ``auto``: none where its activations (:func:`activation_bytes_per_token`) fit
+    in :data:`AUTO_RECOMPUTE_SHARE` of ``available`` bytes (None: unknown, none); else the fewest
+    that make them fit, all where none do. A recomputed layer keeps only its input (one hidden
+    vector a token) and rebuilds the rest in backward, one layer at a time; a micro-batch that
+    recomputes any layer does not keep d logp / d logits. Fewer recomputed layers, less time: at 64k
+    tokens on one H200 about half of the 1.5B shape's 28 layers instead of all of them."""
+    if limit != "auto":
+        return layers if limit and tokens > int(limit) else 0
+    if available is None or shape is None or layers <= 0:
+        return 0
+    budget = AUTO_RECOMPUTE_SHARE * available
+    sizes = dict(tp=tp, element_bytes=element_bytes)
+    if tokens * activation_bytes_per_token(shape, layers=layers, head=head, keep_grad_logits=keep_grad_logits,
+                                           **sizes) <= budget:
+        return 0
+    per_layer = activation_bytes_per_token(shape, layers=1, head=False, **sizes)
+    rest = activation_bytes_per_token(shape, layers=0, head=head, **sizes)  # the head, without kept logits
+    kept = shape.hidden_size * element_bytes  # a recomputed layer's input
+    for n in range(1, layers):
+        # the kept layers whole, the recomputed ones' inputs, one recomputed layer rebuilt, the head
+        if tokens * ((layers - n) * per_layer + n * kept + per_layer + rest) <= budget:
+            return n
+    return layers
 
 
 def _te_available() -> bool:
@@ -199,21 +219,23 @@ class AgentGPTModel(GPTModel):
         self.head_grad_to_main_grad = False  # likewise (accumulate_main_grad=): set by the learner
         self.recompute_above_tokens: int | str = 0  # learner.megatron.recompute_above_tokens: set by the learner
         self.shape: ModelShape | None = None  # for the activation estimate of recompute_above_tokens=auto
-        self.recomputing = False  # whether the forward in progress recomputes its layers in backward
+        self.recomputing = False  # whether the forward in progress recomputes layers in backward
         self.recomputed_microbatches = 0  # forwards that did (the learner reads and resets it)
+        self.recomputed_layers = 0  # the layers they recomputed, summed (likewise)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, packed_seq_params: PackedAttentionParams | None = None,
                 **kwargs: Any) -> Tensor:
         if self.recompute_above_tokens:
-            # Megatron's block reads the granularity at each forward: only a long micro-batch
-            # (this rank's tokens) with gradients recomputes its layers in backward
-            auto = self.recompute_above_tokens == "auto"
-            self.recomputing = torch.is_grad_enabled() and needs_recompute(
-                input_ids.shape[-1], self.recompute_above_tokens, self.activation_bytes_per_token() if auto else 0,
-                _available_bytes(input_ids.device) if auto else None)
-            self.config.recompute_granularity = "full" if self.recomputing else None
-            self.recomputed_microbatches += int(self.recomputing)
+            # Megatron's block reads the granularity, method and layer count at each forward: only a
+            # long micro-batch (this rank's tokens) with gradients recomputes layers in backward, the
+            # first n of its stage ("block"), as many as layers_to_recompute says
+            n = self.layers_to_recompute(input_ids.shape[-1], input_ids.device) if torch.is_grad_enabled() else 0
+            self.recomputing = n > 0
+            self.config.recompute_granularity = "full" if n else None
+            self.config.recompute_method, self.config.recompute_num_layers = "block", max(n, 1)
+            self.recomputed_microbatches += int(n > 0)
+            self.recomputed_layers += n
         p = packed_seq_params
         if p is not None and self.rope_in_attention and p.rope_cos is None:
             inv = self._inv_freq.to(position_ids.device)
@@ -228,10 +250,19 @@ class AgentGPTModel(GPTModel):
         """:func:`activation_bytes_per_token` for this rank's stage, as it runs now."""
         if self.shape is None:
             return 0
-        return activation_bytes_per_token(
-            self.shape, layers=len(self.decoder.layers), tp=self.pg_collection.tp.size(),
-            element_bytes=self.config.params_dtype.itemsize,
-            head=self.post_process, keep_grad_logits=self.keep_grad_logits)
+        return activation_bytes_per_token(self.shape, keep_grad_logits=self.keep_grad_logits, **self._stage_sizes())
+
+    def layers_to_recompute(self, tokens: int, device: torch.device) -> int:
+        """:func:`layers_to_recompute` for a micro-batch of ``tokens`` on this rank's stage now
+        (with ``auto``, against the memory free on ``device`` at this forward)."""
+        auto = self.recompute_above_tokens == "auto"
+        return layers_to_recompute(tokens, self.recompute_above_tokens, shape=self.shape,
+                                   keep_grad_logits=self.keep_grad_logits,
+                                   available=_available_bytes(device) if auto else None, **self._stage_sizes())
+
+    def _stage_sizes(self) -> dict[str, Any]:
+        return dict(layers=len(self.decoder.layers), tp=self.pg_collection.tp.size(),
+                    element_bytes=self.config.params_dtype.itemsize, head=self.post_process)
 
     def _postprocess(self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor,
                      labels: Tensor | None, *args: Any, **kwargs: Any) -> Tensor:
