@@ -378,7 +378,10 @@ def test_peer_model_serves_the_longest_fit_episode_and_keeps_its_weights_when_it
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == 32768
     make_model(out, "cpu")
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == MAX_POSITIONS
-    assert MAX_POSITIONS >= workload("long64k").episode_tokens + 512
+    from bench.peers import run_verl
+
+    longest = workload("long256k")  # the longest longNk: every runner's engine length fits in the model
+    assert MAX_POSITIONS >= max(longest.episode_tokens + 512, run_verl.lengths(longest)["model_len"])
     assert [(f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(out.glob("model*.safetensors"))] == before
 
 

@@ -131,9 +131,12 @@ SHAPES = {
 }
 
 
-MAX_POSITIONS = 131072
-"""The context every system may serve and train (``max_position_embeddings``): room for ``longNk``
-past 32k, where the fit runs look. The weights do not depend on it (RoPE has no parameters)."""
+MAX_POSITIONS = 266240
+"""The context every system may serve and train (``max_position_embeddings``): room for every
+``longNk`` up to ``long256k`` (262,143 tokens) with the runners' margins (agentrl's and TRL's
+engines take the episode + 512, verl's prompt and response budgets the episode + 768). It was
+131,072 until 2026-11-29, too short for ``long128k`` (131,071 tokens + 512). The weights do not
+depend on it (RoPE has no parameters)."""
 
 
 def make_model(out: Path, shape: str = "1.5b", max_position_embeddings: int = MAX_POSITIONS) -> str:
