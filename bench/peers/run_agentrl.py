@@ -206,6 +206,14 @@ def summarize(res: Result, rows: list[dict], stamps: list[float], t0: float, war
     res.extra["step_walls_s"] = [round(w, 3) for w in walls]
     res.extra["learner_peaks_by_step_gib"] = [{k.removeprefix("memory/peak_").removesuffix("_gib"): round(v, 3)
                                                for k, v in m.items() if k.startswith("memory/peak_")} for m in rows]
+    # where each step's time went (the trainer's timing/*: waiting for rollouts, the learner's step,
+    # its logprob pass, the refit) and what recomputed (learner.megatron.recompute_above_tokens)
+    res.extra["timing_by_step_s"] = [{k.removeprefix("timing/"): round(v, 3) for k, v in m.items()
+                                      if k.startswith("timing/")} for m in rows]
+    if any("train/recomputed_microbatches" in m for m in rows):
+        res.extra["recompute_by_step"] = [{"microbatches": m.get("train/recomputed_microbatches", 0.0),
+                                           "layers_mean": round(m.get("train/recomputed_layers", 0.0), 2)}
+                                          for m in rows]
     # the engine's sampling logprobs against the learner's for the same tokens, each step: a refit
     # that left the engine other weights than the learner's shows here first
     res.extra["kl_behavior_prox_by_step"] = [round(m["train/kl_behavior_prox"], 6) for m in rows
