@@ -46,6 +46,33 @@ def test_prompts_and_tool_answers_have_the_workloads_token_counts(tok, name):
     assert (n == 0) if not wl.obs_tokens else (wl.obs_tokens - 8 <= n <= wl.obs_tokens)
 
 
+@pytest.mark.parametrize("num_tokens", [1, 3, 64, 700])
+def test_texts_are_the_word_by_word_ones(tok, num_tokens):
+    """The bisecting text builder gives the text (and leaves the generator where) a word-by-word loop
+    would: the longest run of drawn words within the count; the next text goes on after one word more."""
+    import random
+
+    from bench.peers.common import _WORDS, _text_of_tokens
+
+    def word_by_word(rng):
+        text = ""
+        while True:
+            longer = (text + " " if text else "") + rng.choice(_WORDS)
+            if len(tok(longer, add_special_tokens=False)["input_ids"]) > num_tokens:
+                return text
+            text = longer
+
+    slow, fast = random.Random(num_tokens), random.Random(num_tokens)
+    for _ in range(3):  # three texts in a row from one generator, as prompt_texts draws them
+        assert _text_of_tokens(tok, fast, num_tokens, _WORDS) == word_by_word(slow)
+    assert fast.random() == slow.random()
+    def no_ids(text, add_special_tokens=False):
+        return {"input_ids": []}
+
+    with pytest.raises(ValueError, match="come to <= 5 tokens"):  # words of no tokens: an error, not a hang
+        _text_of_tokens(no_ids, random.Random(0), 5, _WORDS)
+
+
 def test_long_workload_is_about_16k_tokens():
     assert 15_500 <= WORKLOADS["long"].episode_tokens <= 16_800
 
@@ -246,6 +273,22 @@ def test_close_result_keeps_the_process_split_only_where_nvml_listed_processes()
     res = close_result(Result(system="agentrl", setting="memory", workload="multi", steps=1), quiet, None, 1)
     assert res.extra["gpu_processes_gib"] == {"peak": {"VLLM::EngineCore (7)": 42.0},
                                              "at_device_peak": {"VLLM::EngineCore (7)": 41.5}}
+
+
+def test_close_result_says_how_long_the_runner_spent_outside_its_steps(monkeypatch):
+    """What a device call must leave room for beside the steps: the runner's time so far, less its steps."""
+    from bench.peers import common
+
+    sampler = common.GpuSampler()
+    sampler._nvml = None
+    monkeypatch.setattr(common, "_STARTED", common.time.monotonic() - 100.0)
+    res = common.Result(system="trl", setting="recommended", workload="long", steps=2,
+                        extra={"step_walls_s": [30.0, 25.5]})
+    res = common.close_result(res, sampler, None, 2)
+    assert 100.0 <= res.extra["runner_s"] < 160.0
+    assert res.extra["outside_steps_s"] == round(res.extra["runner_s"] - 55.5, 1)
+    res = common.close_result(common.Result(system="trl", setting="recommended", workload="long"), sampler, None, 1)
+    assert "outside_steps_s" not in res.extra and res.status == "error"  # no step ran
 
 
 def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monkeypatch):
