@@ -4,7 +4,8 @@
 #   bash bench/peers/device.sh trl-install                # the call that carries .peers/trl
 #   bash bench/peers/device.sh verl-install verl:multi:recommended   # the call that carries .peers/verl
 #   bash bench/peers/device.sh agentrl:multi:recommended,like trl:multi:recommended
-# Each run step is SYSTEM:WORKLOAD:SETTINGS; results are appended to $OUT/peers.json, logs to $OUT.
+# Each run step is SYSTEM:WORKLOAD:SETTINGS[:gGpP] (gGpP: G samples of P prompts a step instead of the
+# workload's, e.g. trl:long96k:recommended:g4p1); results are appended to $OUT/peers.json, logs to $OUT.
 # RUN_TIMEOUT (s, default 540) bounds each run step; PEER_ARGS are passed to every runner.
 # A run longer than one call (verl single-turn: ~20 min) starts detached and is waited for by later calls:
 #   bash bench/peers/device.sh verl-install start:verl:single:recommended wait   # then, each within 30 s:
@@ -21,10 +22,36 @@
 # named longNk-g4p1), the same memory per micro-batch as the full workload's 16 (common.run_workload)
 # at a quarter of a step: TRL's long48k did not finish a step of 16 in 270 s on the H200.
 # A fresh machine's first run also makes the harness model (minutes): give it RUN_TIMEOUT >= 540.
+# `bg`: the steps after it run detached, one after another, in a device.sh of their own (setsid: it
+# outlives the call; its $OUT is /tmp/peers/q/out), each run bounded by RUN_TIMEOUT as in the foreground,
+# so the GPU keeps working between calls and no run is cut by a call's 600 s:
+#   RUN_TIMEOUT=900 FIT_PROBE=1 bash bench/peers/device.sh trl-install bg fit:trl:recommended:96,64 fit:agentrl:recommended:128,96
+#   bash bench/peers/device.sh wait     # each within 30 s of the last call, until it prints "done"
+# `wait` copies the queue's logs and peers.json to $OUT and prints what it printed since the last `wait`;
+# `stop` ends a detached queue or run (its process group and any Ray and vLLM leftovers).
 set -o pipefail
 source bench/device_env.sh peers  # carry check, import links, environment, $OUT, the GPU
 rc=0
 runners=${PEERS_RUNNERS:-bench/peers}  # where run_<system>.py live (tests put stand-ins here)
+bg=${PEERS_BG_DIR:-/tmp/peers/bg}     # one detached run (start:)
+q=${PEERS_QUEUE_DIR:-/tmp/peers/q}    # a detached queue of steps (bg)
+steps=(); queued=(); to_bg=0          # the steps before `bg` run here, those after it detached
+for a in "$@"; do
+  if [ $to_bg = 1 ]; then queued+=("$a"); elif [ "$a" = bg ]; then to_bg=1; else steps+=("$a"); fi
+done
+detached_running() {  # prints what a detached run or queue still runs; false when none does
+  local d
+  for d in "$bg" "$q"; do
+    if [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then cat "$d/step" 2>/dev/null || cat "$d/steps"; return 0; fi
+  done
+  return 1
+}
+tree() { local c; echo "$1"; for c in $(pgrep -P "$1"); do tree "$c"; done; }  # a process and its descendants
+kill_leftovers() {
+  if [ "${PEERS_KILL_LEFTOVERS:-1}" = 1 ]; then
+    for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done
+  fi
+}
 
 run_step() {  # SYSTEM WORKLOAD SETTINGS [extra runner args]: one run step; returns the runner's status
   local system=$1 workload=$2 settings=$3 site=$PYTHONPATH src; shift 3
@@ -39,13 +66,11 @@ run_step() {  # SYSTEM WORKLOAD SETTINGS [extra runner args]: one run step; retu
   # anything a killed run left on the GPU would skew the next one (bracketed patterns: pkill -f must
   # not match this script's own command line). PEERS_KILL_LEFTOVERS=0 leaves them (tests: the machine's
   # other Ray processes, e.g. the test session's own cluster, whose raylet's death ends its driver)
-  if [ "${PEERS_KILL_LEFTOVERS:-1}" = 1 ]; then
-    for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done
-  fi
+  kill_leftovers
   sleep "${SETTLE_S:-3}"
   return $src
 }
-for step in "$@"; do
+for step in "${steps[@]}"; do
   case $step in
     trl-install)
       python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/peer-trl .peers/trl/*.whl || rc=1
@@ -58,8 +83,11 @@ import verl.trainer.main_ppo, verl.workers.rollout.vllm_rollout.vllm_async_serve
 print('verl', verl.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'vllm', vllm.__version__)" \
         || { echo "peers: verl does not import: no verl run in this call"; exit 1; } ;;
     agentrl:*|trl:*|verl:*)
-      IFS=: read -r system workload settings <<< "$step"
-      run_step "$system" "$workload" "$settings" || rc=1 ;;
+      IFS=: read -r system workload settings batch <<< "$step"
+      if [[ -z $batch ]]; then run_step "$system" "$workload" "$settings" || rc=1
+      elif [[ $batch =~ ^g([0-9]+)p([0-9]+)$ ]]; then  # the probe batch as a row of its own: trl:long96k:recommended:g4p1
+        run_step "$system" "$workload" "$settings" --group-size "${BASH_REMATCH[1]}" --prompts-per-step "${BASH_REMATCH[2]}" || rc=1
+      else echo "peers: '$batch' in '$step' is not a batch (gGpP: G samples of P prompts a step)"; rc=2; fi ;;
     fit:*)
       IFS=: read -r _ system settings lengths <<< "$step"
       read -r -a ns <<< "${lengths//,/ }"
@@ -78,9 +106,9 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       done ;;
     start:*)
       IFS=: read -r _ system workload settings <<< "$step"
-      bg=/tmp/peers/bg; mkdir -p $bg
-      if [ -f $bg/pid ] && kill -0 "$(cat $bg/pid)" 2>/dev/null; then echo "peers: a detached run is on: $(cat $bg/step)"; exit 2; fi
-      rm -f $bg/peers.json; echo "$system:$workload:${settings:-recommended}" > $bg/step
+      mkdir -p $bg
+      if on=$(detached_running); then echo "peers: a detached run is on: $on"; exit 2; fi
+      rm -f $bg/peers.json $q/pid; echo "$system:$workload:${settings:-recommended}" > $bg/step
       site=$PYTHONPATH; [ "$system" = trl ] && site=/tmp/peer-trl:$PYTHONPATH
       [ "$system" = verl ] && site=/tmp/peer-verl:$PYTHONPATH
       extra=""; [ "$system" = verl ] && extra="--timeout ${BG_TIMEOUT:-1440}"
@@ -92,7 +120,21 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s $bg/pid ] && break; sleep 0.5; done
       [ -s $bg/pid ] || { echo "peers: the detached run did not start"; exit 1; } ;;
     wait)
-      bg=/tmp/peers/bg; [ -f $bg/pid ] || { echo "peers: no detached run (start:SYSTEM:WORKLOAD:SETTING first)"; exit 2; }
+      if [ -f $q/pid ]; then  # a queue (bg): wait, then hand over what it wrote so far
+        pid=$(cat $q/pid); t0=$SECONDS
+        while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WAIT_S:-550}" ]; do sleep 5; done
+        cp -r "$q/out/." "$OUT/"
+        shown=$(cat $q/shown 2>/dev/null || echo 0)
+        tail -n +$((shown + 1)) $q/run.log | grep "^== \|^RESULT\|^fit: \|^peers: \|exited" | cut -c1-400
+        wc -l < $q/run.log > $q/shown
+        if kill -0 "$pid" 2>/dev/null; then
+          echo "peers: the queue still runs ($(grep '^== ' $q/run.log | tail -1)) after $((SECONDS - t0)) s of this call: call 'wait' again within 30 s"; rc=4
+        else
+          echo "peers: the queue is done: $(cat $q/steps)"
+        fi
+        continue
+      fi
+      [ -f $bg/pid ] || { echo "peers: no detached run (start:SYSTEM:WORKLOAD:SETTING or bg first)"; exit 2; }
       pid=$(cat $bg/pid); t0=$SECONDS
       while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WAIT_S:-550}" ]; do sleep 5; done
       name=$(tr : - < $bg/step)
@@ -105,10 +147,29 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       else
         echo "peers: $(cat $bg/step) done"; [ -f $bg/peers.json ] && cp $bg/peers.json "$OUT/peers.json"
         grep "^RESULT" $bg/run.log | cut -c1-400
-        for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done
+        kill_leftovers
       fi ;;
+    stop)
+      for d in "$bg" "$q"; do
+        if [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then
+          # the whole tree, not the process group: `timeout` puts each run in a group of its own
+          kill -9 $(tree "$(cat "$d/pid")") 2>/dev/null; echo "peers: stopped $(cat "$d/step" 2>/dev/null || cat "$d/steps")"
+        fi
+      done
+      kill_leftovers ;;
     *) echo "peers: unknown step '$step'"; rc=2 ;;
   esac
 done
+if [ $to_bg = 1 ]; then
+  if on=$(detached_running); then echo "peers: a detached run is on: $on"; exit 2; fi
+  [ ${#queued[@]} -gt 0 ] || { echo "peers: nothing after bg"; exit 2; }
+  rm -rf "$q"; mkdir -p "$q/out"; rm -f "$bg/pid"; echo "${queued[*]}" > "$q/steps"
+  echo "== bg ($(date +%T)), detached: ${queued[*]}"
+  # the queue's shell writes its own pid (setsid may fork) and leads its process group (`stop` ends it)
+  OUT=$q/out setsid nohup bash -c 'echo $$ > "$0/pid"; exec bash bench/peers/device.sh "$@"' "$q" "${queued[@]}" \
+    > "$q/run.log" 2>&1 < /dev/null &
+  for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s "$q/pid" ] && break; sleep 0.5; done
+  [ -s "$q/pid" ] || { echo "peers: the queue did not start"; exit 1; }
+fi
 python3 bench/peers/table.py "$OUT/peers.json" 2>/dev/null || true
 exit $rc

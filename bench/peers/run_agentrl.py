@@ -139,15 +139,21 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
                       overrides(args, wl, model, texts_file, setting))
     res.extra["config"] = {"max_staleness": cfg.replay.max_staleness, "engine_sleep": cfg.colocate.engine_sleep,
                            "learner": cfg.learner.backend, "micro_batch_tokens": cfg.packing.max_tokens_per_microbatch}
+    t_init = time.perf_counter()
     trainer = Trainer(cfg, progress=False)
     trainer.save_checkpoint = lambda: None  # a benchmark keeps no checkpoint (3 GB at this size)
+    # where the start-up goes (what a device call must leave room for beside the steps)
+    start_s = res.extra["start_s"] = {**getattr(args, "prep_s", {}), "trainer_init": round(time.perf_counter() - t_init, 1)}
     rows: list[dict] = []
     stamps: list[float] = []
     t0 = time.perf_counter()
     cut = False
     sampler = GpuSampler().start()
     try:
-        trainer.start()
+        t_start = time.perf_counter()
+        trainer.start()  # Ray, the engines (vLLM's start), the learner, the first refit
+        start_s["trainer_start"] = round(time.perf_counter() - t_start, 1)
+        start_s["engines"] = round(getattr(trainer, "engine_start_s", 0.0) or 0.0, 1)
         logger = type("L", (), {"log": lambda self, step, m: (rows.append(dict(m)), stamps.append(time.perf_counter())),
                                 "close": lambda self: None})()
         runs = [r.run.remote() for r in trainer.rollouts]
@@ -234,13 +240,16 @@ def main() -> None:
     args = p.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "token")
     wl = run_workload(args)
+    t0 = time.perf_counter()
     model = make_model(Path(args.workdir) / f"model-{'cpu' if args.cpu else '1.5b'}", "cpu" if args.cpu else "1.5b")
+    t1 = time.perf_counter()
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model)
     texts_file = Path(args.workdir) / f"texts-{wl.name}.json"
     texts_file.write_text(json.dumps({"prompts": prompt_texts(tok, wl, 256), "observation": observation_text(tok, wl),
                                       "special_tokens": list(tok.all_special_tokens)}))
+    args.prep_s = {"model": round(t1 - t0, 1), "texts": round(time.perf_counter() - t1, 1)}
     for setting in args.settings.split(","):
         run_setting(args, wl, model, str(texts_file), setting)  # writes its result, cut or not
 
