@@ -6,7 +6,9 @@ checked here through a real episode loop."""
 from __future__ import annotations
 
 import json
+import sys
 import types
+from pathlib import Path
 
 import anyio
 import gymnasium
@@ -456,7 +458,7 @@ def _device_sh(tmp_path, runner_extra=""):
 
     root = Path(__file__).resolve().parents[1]
     work = tmp_path / "repo"  # a copy of the scripts: device_env.sh links agentrl/envs in its cwd
-    for rel in ("bench/device_env.sh", "bench/peers/device.sh", "bench/peers/table.py"):
+    for rel in ("bench/device_env.sh", "bench/peers/device.sh", "bench/peers/table.py", "bench/attention.py"):
         (work / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(root / rel, work / rel)
     (work / "agentrl").mkdir()
@@ -519,6 +521,15 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
     proc = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:recommended:4x1"], cwd=work,
                           env={**env, "OUT": str(out_row)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "is not a batch" in proc.stdout, proc.stdout
+
+    # the attention step: bench/attention.py's rows in $OUT/attention.json (--cpu: its dry run here)
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "attention"], cwd=work, timeout=300, capture_output=True,
+                          text=True, env={**env, "OUT": str(out_row), "ATT_LENGTHS": "128", "ATT_ARGS": "--cpu",
+                                          # this interpreter as the script's python3 (torch, agentrl)
+                                          "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"})
+    rows = json.loads((out_row / "attention.json").read_text())["rows"]
+    assert proc.returncode == 0 and {r["length"] for r in rows} == {128}, proc.stdout + proc.stderr
+    assert "sdpa-default" in proc.stdout
 
 
 

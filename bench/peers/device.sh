@@ -28,7 +28,9 @@
 #   RUN_TIMEOUT=900 FIT_PROBE=1 bash bench/peers/device.sh trl-install bg fit:trl:recommended:96,64 fit:agentrl:recommended:128,96
 #   bash bench/peers/device.sh wait     # each within 30 s of the last call, until it prints "done"
 # `wait` copies the queue's logs and peers.json to $OUT and prints what it printed since the last `wait`;
-# `stop` ends a detached queue or run (its process group and any Ray and vLLM leftovers).
+# `stop` ends a detached queue or run (its processes and any Ray and vLLM leftovers).
+# `attention` runs bench/attention.py (ATT_LENGTHS, default 32768,65536,131072; ATT_TIMEOUT s, default 300; ATT_ARGS)
+# into $OUT/attention.json: FlexAttention vs SDPA's kernels on one long document, the learner's choice.
 set -o pipefail
 source bench/device_env.sh peers  # carry check, import links, environment, $OUT, the GPU
 rc=0
@@ -149,6 +151,11 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
         grep "^RESULT" $bg/run.log | cut -c1-400
         kill_leftovers
       fi ;;
+    attention)  # the learner's core attention, FlexAttention vs SDPA's kernels at long lengths (bench/attention.py)
+      echo "== attention ($(date +%T))"
+      timeout -k 10 "${ATT_TIMEOUT:-300}" python3 bench/attention.py --lengths "${ATT_LENGTHS:-32768,65536,131072}" \
+        --json "$OUT/attention.json" ${ATT_ARGS:-} > "$OUT/attention.log" 2>&1 || { echo "attention exited $?"; rc=1; }
+      grep -v "Warning\|warn(" "$OUT/attention.log" | tail -40 ;;
     stop)
       for d in "$bg" "$q"; do
         if [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then
