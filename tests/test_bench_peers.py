@@ -305,11 +305,12 @@ def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monke
 
     class StandIn:
         def __init__(self, cfg, progress=True):
-            self.rollouts, self.engines = [], []
+            self.rollouts, self.engines, self.engine_start_s = [], [], None  # the Trainer's, set by start
             self.learner = types.SimpleNamespace(memory_report=types.SimpleNamespace(remote=lambda: 1 / 0))
 
         def start(self):
             events.append("start")
+            self.engine_start_s = 2.04
 
         def _loop(self, logger):
             for step in range(3):  # a warm-up step and two timed ones, then the signal
@@ -328,6 +329,7 @@ def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monke
         run_agentrl.run_setting(args, WORKLOADS["multi"], str(tmp_path / "model"), str(tmp_path / "t.json"), "like")
     (row,) = json.loads((tmp_path / "out.json").read_text())
     assert row["status"] == "cut" and row["steps"] == 2 and row["reward_curve"] == [0.5, 0.6, 0.7]
+    assert row["extra"]["start_s"]["engines"] == 2.0 and row["extra"]["start_s"]["trainer_start"] >= 0
     assert row["trained_tokens_per_step"] == 1000.0 and row["trained_tokens_per_s_per_gpu"] > 0
     assert row["weight_sync_s"] == 0.25 and "ZeroDivisionError" in row["extra"]["learner_memory_gib"]
     assert events == ["start", "shutdown:written"]

@@ -41,11 +41,11 @@ steps=(); queued=(); to_bg=0          # the steps before `bg` run here, those af
 for a in "$@"; do
   if [ $to_bg = 1 ]; then queued+=("$a"); elif [ "$a" = bg ]; then to_bg=1; else steps+=("$a"); fi
 done
+what_runs() { cat "$1/step" 2>/dev/null || cat "$1/steps"; }  # a detached run's step or a queue's steps
+running() { [ -f "$1/pid" ] && kill -0 "$(cat "$1/pid")" 2>/dev/null; }
 detached_running() {  # prints what a detached run or queue still runs; false when none does
   local d
-  for d in "$bg" "$q"; do
-    if [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then cat "$d/step" 2>/dev/null || cat "$d/steps"; return 0; fi
-  done
+  for d in "$bg" "$q"; do running "$d" && { what_runs "$d"; return 0; }; done
   return 1
 }
 tree() { local c; echo "$1"; for c in $(pgrep -P "$1"); do tree "$c"; done; }  # a process and its descendants
@@ -158,9 +158,9 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       grep -v "Warning\|warn(" "$OUT/attention.log" | tail -40 ;;
     stop)
       for d in "$bg" "$q"; do
-        if [ -f "$d/pid" ] && kill -0 "$(cat "$d/pid")" 2>/dev/null; then
+        if running "$d"; then
           # the whole tree, not the process group: `timeout` puts each run in a group of its own
-          kill -9 $(tree "$(cat "$d/pid")") 2>/dev/null; echo "peers: stopped $(cat "$d/step" 2>/dev/null || cat "$d/steps")"
+          kill -9 $(tree "$(cat "$d/pid")") 2>/dev/null; echo "peers: stopped $(what_runs "$d")"
         fi
       done
       kill_leftovers ;;
@@ -172,7 +172,7 @@ if [ $to_bg = 1 ]; then
   [ ${#queued[@]} -gt 0 ] || { echo "peers: nothing after bg"; exit 2; }
   rm -rf "$q"; mkdir -p "$q/out"; rm -f "$bg/pid"; echo "${queued[*]}" > "$q/steps"
   echo "== bg ($(date +%T)), detached: ${queued[*]}"
-  # the queue's shell writes its own pid (setsid may fork) and leads its process group (`stop` ends it)
+  # the queue's shell writes its own pid (setsid may fork); `stop` ends it and everything under it
   OUT=$q/out setsid nohup bash -c 'echo $$ > "$0/pid"; exec bash bench/peers/device.sh "$@"' "$q" "${queued[@]}" \
     > "$q/run.log" 2>&1 < /dev/null &
   for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s "$q/pid" ] && break; sleep 0.5; done

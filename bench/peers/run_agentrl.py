@@ -127,7 +127,8 @@ def kv_cache_gib(model: str, blocks: int, block_tokens: int = 16, dtype_bytes: i
     return blocks * per_block * block_tokens * dtype_bytes / 2**30
 
 
-def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setting: str) -> Result:
+def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setting: str,
+                prep_s: dict[str, float] | None = None) -> Result:
     import ray
 
     from agentrl.config import load_config
@@ -143,7 +144,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
     trainer = Trainer(cfg, progress=False)
     trainer.save_checkpoint = lambda: None  # a benchmark keeps no checkpoint (3 GB at this size)
     # where the start-up goes (what a device call must leave room for beside the steps)
-    start_s = res.extra["start_s"] = {**getattr(args, "prep_s", {}), "trainer_init": round(time.perf_counter() - t_init, 1)}
+    start_s = res.extra["start_s"] = {**(prep_s or {}), "trainer_init": round(time.perf_counter() - t_init, 1)}
     rows: list[dict] = []
     stamps: list[float] = []
     t0 = time.perf_counter()
@@ -153,7 +154,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
         t_start = time.perf_counter()
         trainer.start()  # Ray, the engines (vLLM's start), the learner, the first refit
         start_s["trainer_start"] = round(time.perf_counter() - t_start, 1)
-        start_s["engines"] = round(getattr(trainer, "engine_start_s", 0.0) or 0.0, 1)
+        start_s["engines"] = round(trainer.engine_start_s or 0.0, 1)
         logger = type("L", (), {"log": lambda self, step, m: (rows.append(dict(m)), stamps.append(time.perf_counter())),
                                 "close": lambda self: None})()
         runs = [r.run.remote() for r in trainer.rollouts]
@@ -249,9 +250,9 @@ def main() -> None:
     texts_file = Path(args.workdir) / f"texts-{wl.name}.json"
     texts_file.write_text(json.dumps({"prompts": prompt_texts(tok, wl, 256), "observation": observation_text(tok, wl),
                                       "special_tokens": list(tok.all_special_tokens)}))
-    args.prep_s = {"model": round(t1 - t0, 1), "texts": round(time.perf_counter() - t1, 1)}
+    prep_s = {"model": round(t1 - t0, 1), "texts": round(time.perf_counter() - t1, 1)}
     for setting in args.settings.split(","):
-        run_setting(args, wl, model, str(texts_file), setting)  # writes its result, cut or not
+        run_setting(args, wl, model, str(texts_file), setting, prep_s)  # writes its result, cut or not
 
 
 if __name__ == "__main__":
