@@ -281,9 +281,9 @@ class Config(Section):
                     ("context_parallel_size", mc.context_parallel_size == 1),
                     ("activation_checkpointing", not mc.activation_checkpointing),
                     ("recompute_above_tokens", not recompute_graphs),
-                    ("attention", mc.attention == "flex")) if not ok]
+                    ("attention", mc.attention in ("flex", "auto"))) if not ok]
                 if off:
-                    raise ValueError(f"learner.megatron.cuda_graphs needs attention=flex, no tensor/pipeline/context "
+                    raise ValueError(f"learner.megatron.cuda_graphs needs attention flex or auto, no tensor/pipeline/context "
                                      f"parallelism and no activation checkpointing (recompute_above_tokens 0 or "
                                      f"at least packing.max_tokens_per_microbatch); got {', '.join(off)} "
                                      "(auto, the default, turns it on only where it can run)")
@@ -294,7 +294,7 @@ class Config(Section):
             idle = []  # auto never resolves to these: only a forced true lands here
             if mc.fused_logprobs and mc.tensor_parallel_size > 1:
                 idle.append(f"fused_logprobs (tensor_parallel_size={mc.tensor_parallel_size})")
-            if mc.flex_expand_kv and (mc.attention != "flex" or mc.context_parallel_size > 1):
+            if mc.flex_expand_kv and (mc.attention not in ("flex", "auto") or mc.context_parallel_size > 1):
                 idle.append(f"flex_expand_kv (attention={mc.attention}, "
                             f"context_parallel_size={mc.context_parallel_size})")
             if mc.recompute_above_tokens and mc.activation_checkpointing:

@@ -50,13 +50,18 @@ class MegatronConfig(Section):
     """Overlap the data-parallel gradient reduction with the backward pass."""
     grad_reduce_in_fp32: bool = True
     """Reduce gradients in float32 even when training in bf16."""
-    attention: Literal["flex", "sdpa", "te"] = "flex"
-    """Core attention for packed sequences: the project's FlexAttention or SDPA module, or
-    TransformerEngine's when it is importable."""
+    attention: Literal["auto", "flex", "sdpa", "te"] = "auto"
+    """Core attention for packed sequences. ``flex``: compiled FlexAttention with a block-sparse
+    document-causal mask, one call a micro-batch (fast for many short documents; what CUDA graphs
+    replay). ``sdpa``: one causal SDPA call a document (cuDNN's kernel on Hopper: 1.4-1.9x
+    FlexAttention's forward+backward on one document of 4k-128k tokens, H200). ``auto`` (the
+    default): per micro-batch, SDPA when its documents average at least 4,096 tokens, FlexAttention
+    otherwise; FlexAttention throughout under cuda_graphs. ``te``: TransformerEngine's, when it is
+    importable. Context parallelism has its own attention (FlexAttention unless ``sdpa``)."""
     cuda_graphs: Literal["auto", True, False] = "auto"
     """Replay the decoder's layers (forward and backward) as CUDA graphs: removes the Python
     launch overhead that dominates at small micro-batches. Every micro-batch is padded to
-    packing.max_tokens_per_microbatch (one graph shape); needs attention=flex, no tensor, pipeline
+    packing.max_tokens_per_microbatch (one graph shape); needs attention flex or auto, no tensor, pipeline
     or context parallelism and no activation checkpointing. The graph's activations stay
     allocated between steps (set false when memory is short). auto (the default): on exactly where
     it can run (the conditions above) and the learner does not share its GPU with engines
@@ -73,10 +78,11 @@ class MegatronConfig(Section):
     another reduction order; no effect under tensor parallelism (the learner's weights are always
     bf16/fp16). auto (the default): on without tensor parallelism; true/false force it."""
     flex_expand_kv: Literal["auto", True, False] = "auto"
-    """attention=flex with grouped-query attention: repeat K/V to the query heads before
-    FlexAttention (exact), for a faster backward at a few thousand tokens per micro-batch. No
-    effect with attention sdpa/te or context parallelism (which has its own attention path).
-    auto (the default): on with attention=flex and no context parallelism; true/false force it."""
+    """attention flex (or auto's FlexAttention micro-batches) with grouped-query attention: repeat
+    K/V to the query heads before FlexAttention (exact), for a faster backward at a few thousand
+    tokens per micro-batch. No effect with attention sdpa/te or context parallelism (which has its
+    own attention path). auto (the default): on with attention flex or auto and no context
+    parallelism; true/false force it."""
 
     _auto: frozenset[str] = PrivateAttr(default=frozenset())
 
@@ -117,7 +123,7 @@ def resolve_fast_options(mcfg: MegatronConfig) -> dict[str, bool]:
         False
     """
     single = mcfg.tensor_parallel_size == mcfg.pipeline_parallel_size == mcfg.context_parallel_size == 1
-    flex = mcfg.attention == "flex"
+    flex = mcfg.attention in ("flex", "auto")  # auto runs FlexAttention wherever these apply
     return {
         "cuda_graphs": single and flex and not mcfg.activation_checkpointing,
         "keep_grad_logits": not mcfg.activation_checkpointing,

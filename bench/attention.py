@@ -12,7 +12,12 @@ forced one at a time, in one process on one GPU:
   to the query heads first (``learner.megatron.flex_expand_kv``);
 - ``sdpa-default``: the learner's SDPA path as torch chooses; ``sdpa-flash``, ``sdpa-cudnn``,
   ``sdpa-efficient``: the same under ``torch.nn.attention.sdpa_kernel`` of that one kernel (GQA
-  inside the call, ``enable_gqa``), and each ``+kvrep``: K/V repeated to the query heads first.
+  inside the call, ``enable_gqa``), and each ``+kvrep``: K/V repeated to the query heads first;
+- ``auto``: the learner's default (``attention=auto``), which picks one of the two per micro-batch
+  (`agentrl.learners.megatron.attention.auto_backend`; the row says which in ``auto_ran``).
+
+``--docs N`` packs each length as N equal documents (document-causal, as the learner packs short
+episodes), where FlexAttention's one block-sparse call meets SDPA's one call a document.
 
 For each length and backend: forward ms, forward+backward ms, TFLOP/s of forward+backward (causal:
 forward 2·L²·heads·dim, backward 2.5× that), the agreement with the first backend that ran, ``flex`` on a GPU (max |out − flex| / max |flex|,
@@ -38,12 +43,14 @@ import torch
 __all__ = ["BACKENDS", "attention_tflops", "main", "make_attention"]
 
 BACKENDS = ("flex", "flex+kvrep", "sdpa-default", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient",
-            "sdpa-flash+kvrep", "sdpa-cudnn+kvrep", "sdpa-efficient+kvrep")
+            "sdpa-flash+kvrep", "sdpa-cudnn+kvrep", "sdpa-efficient+kvrep", "auto", "auto+kvrep")
 
 
-def attention_tflops(length: int, heads: int, head_dim: int, seconds: float) -> float:
-    """TFLOP/s of one causal forward+backward over ``length`` tokens in ``seconds``."""
-    forward = 2.0 * length * length * heads * head_dim  # QK^T and PV, each 2·L·L·d a head, halved by causality
+def attention_tflops(length: int, heads: int, head_dim: int, seconds: float, docs: int = 1) -> float:
+    """TFLOP/s of one causal forward+backward over ``length`` tokens packed as ``docs`` equal
+    documents (document-causal: each attends within its own) in ``seconds``."""
+    doc = length / docs
+    forward = 2.0 * doc * doc * heads * head_dim * docs  # QK^T and PV, each 2·L·L·d a head, halved by causality
     return forward * 3.5 / seconds / 1e12
 
 
@@ -57,7 +64,7 @@ def make_attention(backend: str, heads: int, kv_heads: int, head_dim: int) -> tu
     cfg = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
                             num_query_groups=kv_heads, kv_channels=head_dim, attention_dropout=0.0,
                             hidden_dropout=0.0)
-    module_backend = "flex" if backend.startswith("flex") else "sdpa"
+    module_backend = backend.split("+")[0] if backend.startswith(("flex", "auto")) else "sdpa"
     module = PackedCoreAttention(cfg, 1, AttnMaskType.causal, "self", backend=module_backend,
                                  expand_kv=backend.endswith("+kvrep"))
     kernel = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION",
@@ -93,9 +100,11 @@ def measure(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gra
     """One backend on one document: its timings, and its output and dq for the agreement."""
     from agentrl.learners.megatron.attention import make_packed_params
 
-    length = q.shape[0]
+    length, docs = q.shape[0], args.docs
     module, ctx = make_attention(backend, args.heads, args.kv_heads, args.head_dim)
-    params = make_packed_params(torch.tensor([0, length], dtype=torch.int32, device=device), length)
+    cu = torch.linspace(0, length, docs + 1).round().to(torch.int32)  # ``docs`` (near-)equal documents
+    params = make_packed_params(cu.to(device), int((cu[1:] - cu[:-1]).max()))
+    params.cache["cu_seqlens_cpu"] = cu  # as the learner gives it: boundaries read on the host
     qq, kk, vv = (x.detach().clone().requires_grad_(True) for x in (q, k, v))  # no rope tables: attention alone
 
     def forward() -> torch.Tensor:
@@ -106,7 +115,7 @@ def measure(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gra
         qq.grad = kk.grad = vv.grad = None
         forward().backward(grad)
 
-    row: dict[str, Any] = {"length": length, "backend": backend}
+    row: dict[str, Any] = {"length": length, "docs": docs, "backend": backend}
     t0 = time.perf_counter()
     forward_backward()  # the first call compiles FlexAttention
     if device.type == "cuda":
@@ -117,7 +126,9 @@ def measure(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gra
     with torch.no_grad():
         row["forward_ms"] = round(_events_ms(forward, args.iters, device), 3)
     row["forward_backward_ms"] = round(_events_ms(forward_backward, args.iters, device), 3)
-    row["tflops"] = attention_tflops(length, args.heads, args.head_dim, row["forward_backward_ms"] / 1e3)
+    row["tflops"] = attention_tflops(length, args.heads, args.head_dim, row["forward_backward_ms"] / 1e3, docs)
+    if "auto_backend" in params.cache:
+        row["auto_ran"] = params.cache["auto_backend"]  # what attention=auto chose for this micro-batch
     qq.grad = None
     out = forward()
     out.backward(grad)
@@ -142,7 +153,7 @@ def run_length(length: int, backends: list[str], args: argparse.Namespace, devic
                 row["dq_rel_err"] = float((got[1] - ref[1]).abs().max() / ref[1].abs().max())
             del got
         except Exception as exc:  # noqa: BLE001 - a kernel that refuses the inputs is a result
-            row = {"length": length, "backend": backend,
+            row = {"length": length, "docs": args.docs, "backend": backend,
                    "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
         rows.append(row)
         if device.type == "cuda":
@@ -161,13 +172,13 @@ def _err(row: dict[str, Any], key: str) -> str:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     ref = next((r["reference_backend"] for r in rows if "reference_backend" in r), "-")
-    print(f"{'length':>7}  {'backend':<15} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s':>8} "
+    print(f"{'length':>7} {'docs':>5}  {'backend':<15} {'fwd ms':>9} {'fwd+bwd ms':>11} {'TFLOP/s':>8} "
           f"{'vs ' + ref:>12} {'out err':>9} {'dq err':>9}")
     for r in rows:
         if "error" in r:
-            print(f"{r['length']:>7}  {r['backend']:<15} {r['error']}")
+            print(f"{r['length']:>7} {r['docs']:>5}  {r['backend']:<15} {r['error']}")
             continue
-        print(f"{r['length']:>7}  {r['backend']:<15} {r['forward_ms']:>9.2f} {r['forward_backward_ms']:>11.2f} "
+        print(f"{r['length']:>7} {r['docs']:>5}  {r['backend']:<15} {r['forward_ms']:>9.2f} {r['forward_backward_ms']:>11.2f} "
               f"{r['tflops']:>8.1f} {r['speedup_vs_reference']:>11.2f}x {_err(r, 'out_rel_err'):>9} {_err(r, 'dq_rel_err'):>9}")
 
 
@@ -178,6 +189,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--docs", type=int, default=1,
+                    help="each length packed as this many equal documents (document-causal)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -190,7 +203,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         ap.error(f"unknown backends {unknown}: any of {', '.join(BACKENDS)}")
     if args.cpu:
         device, dtype = torch.device("cpu"), torch.float32
-        backends = ["sdpa-math", "sdpa-default", "sdpa-math+kvrep"]  # the kernels that run on a CPU
+        # the kernels that run on a CPU, and auto (SDPA there: FlexAttention has no CPU backward)
+        backends = ["sdpa-math", "sdpa-default", "sdpa-math+kvrep", "auto"]
         if args.lengths == ap.get_default("lengths"):
             args.lengths = [256, 512]
     else:
@@ -199,6 +213,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         device, dtype = torch.device("cuda"), torch.bfloat16
         print(torch.cuda.get_device_name(), f"torch {torch.__version__}", flush=True)
     rows: list[dict[str, Any]] = []
+    if args.docs < 1 or any(n < args.docs for n in args.lengths):
+        ap.error(f"--docs {args.docs}: at least 1, and at most each length")
     for length in args.lengths:
         rows += run_length(length, backends, args, device, dtype)
         print_table([r for r in rows if r["length"] == length])
@@ -206,7 +222,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             with open(args.json, "w") as f:
                 json.dump({"device": str(torch.cuda.get_device_name()) if device.type == "cuda" else "cpu",
                            "torch": torch.__version__, "heads": args.heads, "kv_heads": args.kv_heads,
-                           "head_dim": args.head_dim, "rows": rows}, f, indent=2)
+                           "head_dim": args.head_dim, "docs": args.docs, "rows": rows}, f, indent=2)
     return rows
 
 

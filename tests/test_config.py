@@ -102,7 +102,8 @@ def _fast(cfg: Config) -> dict[str, bool]:
 @pytest.mark.parametrize(
     ("layout", "expected"),
     [
-        ([], ALL_ON),  # one GPU, flex: every fast option runs
+        ([], ALL_ON),  # one GPU, attention auto: every fast option runs
+        (["learner.megatron.attention=flex"], ALL_ON),
         (["learner.num_gpus=2", "learner.megatron.tensor_parallel_size=2"],
          {**ALL_ON, "cuda_graphs": False, "fused_logprobs": False}),
         (["learner.num_gpus=2", "learner.megatron.pipeline_parallel_size=2"], {**ALL_ON, "cuda_graphs": False}),
@@ -112,10 +113,11 @@ def _fast(cfg: Config) -> dict[str, bool]:
          {**ALL_ON, "cuda_graphs": False, "keep_grad_logits": False}),
         (["learner.megatron.attention=sdpa"], {**ALL_ON, "cuda_graphs": False, "flex_expand_kv": False}),
     ],
-    ids=["1gpu", "tp2", "pp2", "cp2", "act_ckpt", "sdpa"],
+    ids=["1gpu", "flex", "tp2", "pp2", "cp2", "act_ckpt", "sdpa"],
 )
 def test_fast_options_default_to_on_where_they_apply(layout: list[str], expected: dict[str, bool]) -> None:
     assert MegatronConfig.model_fields["cuda_graphs"].default == "auto"
+    assert MegatronConfig.model_fields["attention"].default == "auto"
     assert _fast(load_config(None, [*MEGATRON, *layout])) == expected
 
 
@@ -148,7 +150,7 @@ def test_fast_options_follow_later_changes_unless_forced() -> None:
 @settings(max_examples=60, deadline=None)
 @given(
     tp=st.sampled_from([1, 2]), pp=st.sampled_from([1, 2]), cp=st.sampled_from([1, 2]),
-    ckpt=st.booleans(), attention=st.sampled_from(["flex", "sdpa", "te"]),
+    ckpt=st.booleans(), attention=st.sampled_from(["auto", "flex", "sdpa", "te"]),
     forced=st.dictionaries(st.sampled_from(FAST_OPTIONS), st.booleans()),
 )
 def test_auto_resolves_to_a_valid_config(tp, pp, cp, ckpt, attention, forced) -> None:

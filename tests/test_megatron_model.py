@@ -155,4 +155,16 @@ def test_layer_spec_passes_flex_expand_kv() -> None:
     for expand in (False, True):
         mcfg = MegatronConfig(flex_expand_kv=expand)
         spec = layer_spec(shape, mcfg.attention, expand_kv=mcfg.flex_expand_kv)
-        assert spec.submodules.self_attention.submodules.core_attention.params == {"backend": "flex", "expand_kv": expand}
+        assert spec.submodules.self_attention.submodules.core_attention.params == {"backend": "auto", "expand_kv": expand}
+
+
+def test_auto_attention_is_flex_under_cuda_graphs() -> None:
+    from agentrl.config import MegatronConfig
+    from agentrl.learners.megatron.model import core_attention
+
+    # a graph replays the kernel it captured: auto's per-micro-batch choice cannot run there
+    assert core_attention(MegatronConfig(cuda_graphs=True)) == "flex"
+    assert core_attention(MegatronConfig(cuda_graphs=False)) == "auto"
+    assert core_attention(MegatronConfig(activation_checkpointing=True)) == "auto"  # no graphs: auto resolved off
+    assert core_attention(MegatronConfig(attention="sdpa")) == "sdpa"
+

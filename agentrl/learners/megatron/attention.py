@@ -7,8 +7,9 @@ tables computed once per micro-batch from the per-document position ids, so ever
 positions restart at 0 (and under context parallelism each local token gets its global position).
 
 Backends: ``flex`` (FlexAttention, compiled, block-sparse document-causal mask), ``sdpa`` (one
-causal SDPA call per document) and, when ``context_parallel_size > 1``, the project's
-``cp_attention.cp_document_attention`` over zigzag shards. RoPE and FlexAttention run compiled on
+causal SDPA call per document), ``auto`` (per micro-batch: SDPA where its documents are long,
+FlexAttention where they are many and short; `auto_backend`) and, when ``context_parallel_size > 1``,
+the project's ``cp_attention.cp_document_attention`` over zigzag shards. RoPE and FlexAttention run compiled on
 CUDA through `agentrl.learners.megatron.compiled` (any length, never silently eager).
 """
 
@@ -28,7 +29,15 @@ from torch import Tensor
 
 from agentrl.learners.megatron.compiled import compiled, flex_attention
 
-__all__ = ["PackedAttentionParams", "PackedCoreAttention", "apply_rope", "document_block_mask", "make_packed_params"]
+__all__ = ["AUTO_SDPA_MEAN_DOC_TOKENS", "PackedAttentionParams", "PackedCoreAttention", "apply_rope", "auto_backend",
+           "document_block_mask", "document_bounds", "make_packed_params"]
+
+AUTO_SDPA_MEAN_DOC_TOKENS = 4096
+"""``attention=auto`` runs a micro-batch with SDPA when its documents average at least this many
+tokens, with FlexAttention otherwise. One document of 4k-128k tokens (Qwen2.5-1.5B heads, bf16, H200,
+torch 2.11: SDPA picks cuDNN): SDPA's forward+backward 1.4-1.9x FlexAttention's (bench/attention.py,
+bench/RESULTS.md "Nineteenth session"); below it the per-document calls of many short documents
+would cost more than they save, and FlexAttention does them in one block-sparse call."""
 
 
 @dataclass
@@ -63,6 +72,29 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
 
 
+def document_bounds(params: PackedAttentionParams) -> list[int]:
+    """The micro-batch's document boundaries as host ints (from ``cache["cu_seqlens_cpu"]`` when the
+    learner put them there: no device sync; read once and cached)."""
+    bounds = params.cache.get("bounds")
+    if bounds is None:
+        cu = params.cache.get("cu_seqlens_cpu", params.cu_seqlens_q)
+        bounds = params.cache["bounds"] = [int(x) for x in cu.tolist()]
+    return bounds
+
+
+def auto_backend(params: PackedAttentionParams) -> str:
+    """What ``attention=auto`` runs for this micro-batch: ``"sdpa"`` when its documents average at
+    least `AUTO_SDPA_MEAN_DOC_TOKENS` tokens, ``"flex"`` otherwise; decided once (every layer, and
+    a recomputed layer's second forward, runs the same kernel)."""
+    choice = params.cache.get("auto_backend")
+    if choice is None:
+        bounds = document_bounds(params)
+        docs = max(1, len(bounds) - 1)
+        choice = "sdpa" if (bounds[-1] - bounds[0]) / docs >= AUTO_SDPA_MEAN_DOC_TOKENS else "flex"
+        params.cache["auto_backend"] = choice
+    return choice
+
+
 def document_block_mask(params: PackedAttentionParams, t: int, device: torch.device) -> Any:
     """The micro-batch's document-causal ``BlockMask`` over ``t`` packed tokens (made once, cached)."""
     from agentrl.learners.megatron.cp_attention import document_causal_block_mask
@@ -91,12 +123,14 @@ class PackedCoreAttention(MegatronModule):
                  softmax_scale: float | None = None, cp_comm_type: str | None = None,
                  pg_collection: Any = None, backend: str = "flex", expand_kv: bool = False) -> None:
         super().__init__(config=config)
-        if backend not in ("flex", "sdpa"):
+        if backend not in ("auto", "flex", "sdpa"):
             raise ValueError(f"learner.megatron.attention: unknown core attention '{backend}'")
         self.backend = backend
         # FlexAttention backward with GQA runs one dK/dV program per KV head and block, each looping
         # over the query heads that share it: few, long programs at a few thousand tokens. With
         # expand_kv, K/V are repeated to the query heads first (exact; the repeat's backward sums).
+        # Under auto it is the flex path's alone: SDPA's cuDNN kernel takes GQA as it is, and the
+        # repeated K/V it would save for backward are ng/np more memory for no speed (bench/attention.py).
         self.expand_kv = expand_kv
         self.layer_number = layer_number
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -128,10 +162,10 @@ class PackedCoreAttention(MegatronModule):
             # boundaries (CUDA; SDPA on CPU); attention=sdpa: SDPA with an explicit [t, T] mask.
             out = cp_document_attention(query, key, value, cu, group, softmax_scale=self.softmax_scale,
                                         backend="sdpa" if self.backend == "sdpa" else "auto")
-        elif self.backend == "flex" and query.is_cuda:  # FlexAttention has no CPU backward
-            out = self._flex(query, key, value, p)
+        elif query.is_cuda and (self.backend == "flex" or (self.backend == "auto" and auto_backend(p) == "flex")):
+            out = self._flex(query, key, value, p)  # FlexAttention has no CPU backward: SDPA there
         else:
-            out = self._sdpa(query, key, value, p)
+            out = self._sdpa(query, key, value, p, expand_kv=self.expand_kv and self.backend == "sdpa")
         return out.reshape(t, nq * hn)
 
     def _flex(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
@@ -145,11 +179,9 @@ class PackedCoreAttention(MegatronModule):
                              v.transpose(0, 1).unsqueeze(0), mask, self.softmax_scale)
         return out.squeeze(0).transpose(0, 1)
 
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
-        bounds = p.cache.get("bounds")
-        if bounds is None:
-            bounds = p.cache["bounds"] = p.cu_seqlens_q.tolist()
-        if self.expand_kv and k.shape[1] != q.shape[1]:  # for SDPA kernels without GQA (bench/attention.py)
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams, expand_kv: bool) -> Tensor:
+        bounds = document_bounds(p)
+        if expand_kv and k.shape[1] != q.shape[1]:  # for SDPA kernels without GQA (bench/attention.py)
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
         outs = []
         for s, e in itertools.pairwise(bounds):

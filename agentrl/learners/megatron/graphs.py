@@ -8,7 +8,7 @@ RoPE tables, the document mask's block tables and row bounds), copied into stati
 call, so any packing of the same length replays the same graph. Parameter gradients leave the
 graph through autograd as usual, so Megatron DDP's hooks still add them to ``main_grad``.
 
-Supported: TP = PP = CP = 1, ``attention=flex``, no activation checkpointing (the config checks);
+Supported: TP = PP = CP = 1, ``attention`` flex or auto (FlexAttention then), no activation checkpointing (the config checks);
 other lengths than the captured ones (at most ``max_graphs``) run eagerly.
 """
 

@@ -37,7 +37,7 @@ from agentrl.learners.megatron.compiled import compiled
 from agentrl.learners.megatron.convert import ModelShape
 from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
 
-__all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "build_model", "layer_spec", "layers_to_recompute",
+__all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "build_model", "core_attention", "layer_spec", "layers_to_recompute",
            "rope_inv_freq", "transformer_config"]
 
 AUTO_RECOMPUTE_SHARE = 0.85
@@ -156,6 +156,13 @@ def transformer_config(shape: ModelShape, mcfg: Any, *, dtype: torch.dtype = tor
         kwargs.update(recompute_method="uniform", recompute_num_layers=1)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def core_attention(mcfg: Any) -> str:
+    """The core attention the layers get for ``learner.megatron``: its ``attention``, except that
+    ``auto`` under CUDA graphs is ``flex`` (a graph replays the kernel it captured for every
+    micro-batch: auto's per-micro-batch choice would be the capture batch's)."""
+    return "flex" if mcfg.attention == "auto" and getattr(mcfg, "cuda_graphs", False) else mcfg.attention
 
 
 def layer_spec(shape: ModelShape, attention: str, expand_kv: bool = False) -> ModuleSpec:
@@ -301,7 +308,7 @@ def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dt
     if shape.num_kv_heads % tp:
         raise ValueError(f"learner.megatron.tensor_parallel_size ({tp}) must divide the number of KV heads "
                          f"({shape.num_kv_heads})")
-    spec: Any = layer_spec(shape, mcfg.attention, expand_kv=getattr(mcfg, "flex_expand_kv", False))
+    spec: Any = layer_spec(shape, core_attention(mcfg), expand_kv=getattr(mcfg, "flex_expand_kv", False))
     if mcfg.attention != "te":
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(cfg), layer_norm=RMSNorm)
     inv_freq, scale = rope_inv_freq(hf_config)
