@@ -16,8 +16,9 @@ forced one at a time, in one process on one GPU:
 - ``auto``: the learner's default (``attention=auto``), which picks one of the two per micro-batch
   (`agentrl.learners.megatron.attention.auto_backend`; the row says which in ``auto_ran``).
 
-``--docs N`` packs each length as N equal documents (document-causal, as the learner packs short
-episodes), where FlexAttention's one block-sparse call meets SDPA's one call a document.
+``--docs 1,4,16`` packs each length as that many equal documents in turn (document-causal, as the
+learner packs short episodes), where FlexAttention's one block-sparse call meets SDPA's one call a
+document.
 
 For each length and backend: forward ms, forward+backward ms, TFLOP/s of forward+backward (causal:
 forward 2·L²·heads·dim, backward 2.5× that), the agreement with the first backend that ran, ``flex`` on a GPU (max |out − flex| / max |flex|,
@@ -96,11 +97,11 @@ def _events_ms(fn: Callable[[], None], iters: int, device: torch.device) -> floa
 
 
 def measure(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
-            args: argparse.Namespace, device: torch.device) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
-    """One backend on one document: its timings, and its output and dq for the agreement."""
+            args: argparse.Namespace, device: torch.device, docs: int = 1) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
+    """One backend on ``docs`` packed documents: its timings, and its output and dq for the agreement."""
     from agentrl.learners.megatron.attention import make_packed_params
 
-    length, docs = q.shape[0], args.docs
+    length = q.shape[0]
     module, ctx = make_attention(backend, args.heads, args.kv_heads, args.head_dim)
     cu = torch.linspace(0, length, docs + 1).round().to(torch.int32)  # ``docs`` (near-)equal documents
     params = make_packed_params(cu.to(device), int((cu[1:] - cu[:-1]).max()))
@@ -136,8 +137,8 @@ def measure(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gra
 
 
 def run_length(length: int, backends: list[str], args: argparse.Namespace, device: torch.device,
-               dtype: torch.dtype) -> list[dict[str, Any]]:
-    """Every backend on one document of ``length`` tokens (same q, k, v and upstream gradient)."""
+               dtype: torch.dtype, docs: int = 1) -> list[dict[str, Any]]:
+    """Every backend on ``length`` tokens of ``docs`` documents (same q, k, v and upstream gradient)."""
     gen = torch.Generator(device=device).manual_seed(length)
     q, k, v = (torch.randn(length, h, args.head_dim, device=device, dtype=dtype, generator=gen)
                for h in (args.heads, args.kv_heads, args.kv_heads))
@@ -145,7 +146,7 @@ def run_length(length: int, backends: list[str], args: argparse.Namespace, devic
     rows, ref = [], None
     for backend in backends:
         try:
-            row, got = measure(backend, q, k, v, grad, args, device)
+            row, got = measure(backend, q, k, v, grad, args, device, docs)
             if ref is None:
                 ref, row["reference"] = got, True  # the first backend that ran (flex on a GPU)
             else:
@@ -153,7 +154,7 @@ def run_length(length: int, backends: list[str], args: argparse.Namespace, devic
                 row["dq_rel_err"] = float((got[1] - ref[1]).abs().max() / ref[1].abs().max())
             del got
         except Exception as exc:  # noqa: BLE001 - a kernel that refuses the inputs is a result
-            row = {"length": length, "docs": args.docs, "backend": backend,
+            row = {"length": length, "docs": docs, "backend": backend,
                    "error": f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0][:300]}"}
         rows.append(row)
         if device.type == "cuda":
@@ -189,8 +190,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--kv-heads", type=int, default=2)
     ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--docs", type=int, default=1,
-                    help="each length packed as this many equal documents (document-causal)")
+    ap.add_argument("--docs", type=lambda s: [int(x) for x in s.split(",")], default=[1],
+                    help="each length packed as this many equal documents (document-causal), each in turn")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--json", default=None, help="write the rows here")
@@ -213,16 +214,17 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         device, dtype = torch.device("cuda"), torch.bfloat16
         print(torch.cuda.get_device_name(), f"torch {torch.__version__}", flush=True)
     rows: list[dict[str, Any]] = []
-    if args.docs < 1 or any(n < args.docs for n in args.lengths):
+    if min(args.docs) < 1 or max(args.docs) > min(args.lengths):
         ap.error(f"--docs {args.docs}: at least 1, and at most each length")
     for length in args.lengths:
-        rows += run_length(length, backends, args, device, dtype)
-        print_table([r for r in rows if r["length"] == length])
+        for docs in args.docs:
+            rows += run_length(length, backends, args, device, dtype, docs)
+            print_table([r for r in rows if r["length"] == length and r["docs"] == docs])
         if args.json:  # after every length: a later OOM or timeout keeps what ran
             with open(args.json, "w") as f:
                 json.dump({"device": str(torch.cuda.get_device_name()) if device.type == "cuda" else "cpu",
                            "torch": torch.__version__, "heads": args.heads, "kv_heads": args.kv_heads,
-                           "head_dim": args.head_dim, "docs": args.docs, "rows": rows}, f, indent=2)
+                           "head_dim": args.head_dim, "rows": rows}, f, indent=2)
     return rows
 
 

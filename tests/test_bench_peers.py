@@ -520,6 +520,11 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
     proc = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:recommended:g4p1"], cwd=work,
                           env={**env, "OUT": str(out_row)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and '"batch": [1, 4, 1]' in proc.stdout, proc.stdout + proc.stderr
+    # ... and warm-up and timed steps of its own, which win over PEER_ARGS' (a fit's --steps 1 there)
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:recommended:g4p1w2s5"], cwd=work,
+                          env={**env, "OUT": str(out_row), "PEER_ARGS": "--steps 1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and '"steps": 5, "batch": [2, 4, 1]' in proc.stdout, proc.stdout + proc.stderr
     proc = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:recommended:4x1"], cwd=work,
                           env={**env, "OUT": str(out_row)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "is not a batch" in proc.stdout, proc.stdout
@@ -532,6 +537,19 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
     rows = json.loads((out_row / "attention.json").read_text())["rows"]
     assert proc.returncode == 0 and {r["length"] for r in rows} == {128}, proc.stdout + proc.stderr
     assert "sdpa-default" in proc.stdout
+
+    # the tests step: pytest on the named files, its summary printed, a failure in the step's status
+    (work / "tests").mkdir()
+    (work / "tests" / "test_here.py").write_text("def test_ok():\n    assert True\n")
+    (work / "tests" / "test_bad.py").write_text("def test_no():\n    assert 1 == 2\n")
+    py_env = {**env, "OUT": str(out_row), "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "tests:tests/test_here.py"], cwd=work, env=py_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "tests:tests/test_here.py,tests/test_bad.py"], cwd=work,
+                          env=py_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "1 failed, 1 passed" in proc.stdout and "tests exited 1" in proc.stdout, proc.stdout
+    assert "assert 1 == 2" in (out_row / "tests.log").read_text()
 
 
 

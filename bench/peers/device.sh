@@ -4,8 +4,9 @@
 #   bash bench/peers/device.sh trl-install                # the call that carries .peers/trl
 #   bash bench/peers/device.sh verl-install verl:multi:recommended   # the call that carries .peers/verl
 #   bash bench/peers/device.sh agentrl:multi:recommended,like trl:multi:recommended
-# Each run step is SYSTEM:WORKLOAD:SETTINGS[:gGpP] (gGpP: G samples of P prompts a step instead of the
-# workload's, e.g. trl:long96k:recommended:g4p1); results are appended to $OUT/peers.json, logs to $OUT.
+# Each run step is SYSTEM:WORKLOAD:SETTINGS[:gGpP[wWsS]] (gGpP: G samples of P prompts a step instead of
+# the workload's, e.g. trl:long96k:recommended:g4p1; wWsS: W warm-up and S timed steps, e.g.
+# agentrl:long128k:recommended:g4p1w1s5, after PEER_ARGS); results are appended to $OUT/peers.json, logs to $OUT.
 # RUN_TIMEOUT (s, default 540) bounds each run step; PEER_ARGS are passed to every runner.
 # A run longer than one call (verl single-turn: ~20 min) starts detached and is waited for by later calls:
 #   bash bench/peers/device.sh verl-install start:verl:single:recommended wait   # then, each within 30 s:
@@ -29,6 +30,7 @@
 #   bash bench/peers/device.sh wait     # each within 30 s of the last call, until it prints "done"
 # `wait` copies the queue's logs and peers.json to $OUT and prints what it printed since the last `wait`;
 # `stop` ends a detached queue or run (its processes and any Ray and vLLM leftovers).
+# `tests:FILE[,FILE...]` runs pytest on them (TESTS_TIMEOUT s, default 300) into $OUT/tests.log.
 # `attention` runs bench/attention.py (ATT_LENGTHS, default 32768,65536,131072; ATT_TIMEOUT s, default 300; ATT_ARGS)
 # into $OUT/attention.json: FlexAttention vs SDPA's kernels on one long document, the learner's choice.
 set -o pipefail
@@ -87,9 +89,12 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
     agentrl:*|trl:*|verl:*)
       IFS=: read -r system workload settings batch <<< "$step"
       if [[ -z $batch ]]; then run_step "$system" "$workload" "$settings" || rc=1
-      elif [[ $batch =~ ^g([0-9]+)p([0-9]+)$ ]]; then  # the probe batch as a row of its own: trl:long96k:recommended:g4p1
-        run_step "$system" "$workload" "$settings" --group-size "${BASH_REMATCH[1]}" --prompts-per-step "${BASH_REMATCH[2]}" || rc=1
-      else echo "peers: '$batch' in '$step' is not a batch (gGpP: G samples of P prompts a step)"; rc=2; fi ;;
+      elif [[ $batch =~ ^g([0-9]+)p([0-9]+)(w([0-9]+)s([0-9]+))?$ ]]; then  # the probe batch as a row: trl:long96k:recommended:g4p1
+        # wWsS last: a step's own warm-up and timed steps win over PEER_ARGS' (argparse keeps the last)
+        steps_of=(); [ -n "${BASH_REMATCH[3]}" ] && steps_of=(--warmup "${BASH_REMATCH[4]}" --steps "${BASH_REMATCH[5]}")
+        PEER_ARGS="${PEER_ARGS:-} ${steps_of[*]}" run_step "$system" "$workload" "$settings" \
+          --group-size "${BASH_REMATCH[1]}" --prompts-per-step "${BASH_REMATCH[2]}" || rc=1
+      else echo "peers: '$batch' in '$step' is not a batch (gGpP[wWsS]: G samples of P prompts a step, W warm-up and S timed steps)"; rc=2; fi ;;
     fit:*)
       IFS=: read -r _ system settings lengths <<< "$step"
       read -r -a ns <<< "${lengths//,/ }"
@@ -127,7 +132,7 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
         while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WAIT_S:-550}" ]; do sleep 5; done
         cp -r "$q/out/." "$OUT/"
         shown=$(cat $q/shown 2>/dev/null || echo 0)
-        tail -n +$((shown + 1)) $q/run.log | grep "^== \|^RESULT\|^fit: \|^peers: \|exited" | cut -c1-400
+        tail -n +$((shown + 1)) $q/run.log | grep "^== \|^RESULT\|^fit: \|^peers: \|exited\| passed\| failed" | cut -c1-400
         wc -l < $q/run.log > $q/shown
         if kill -0 "$pid" 2>/dev/null; then
           echo "peers: the queue still runs ($(grep '^== ' $q/run.log | tail -1)) after $((SECONDS - t0)) s of this call: call 'wait' again within 30 s"; rc=4
@@ -156,6 +161,11 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       timeout -k 10 "${ATT_TIMEOUT:-300}" python3 bench/attention.py --lengths "${ATT_LENGTHS:-32768,65536,131072}" \
         --json "$OUT/attention.json" ${ATT_ARGS:-} > "$OUT/attention.log" 2>&1 || { echo "attention exited $?"; rc=1; }
       grep -v "Warning\|warn(" "$OUT/attention.log" | tail -40 ;;
+    tests:*)  # tests:tests/a.py,tests/b.py::case: pytest on this GPU (between runs, in a queue too)
+      files=${step#tests:}; echo "== tests ${files//,/ } ($(date +%T))"
+      timeout -k 10 "${TESTS_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfE ${files//,/ } \
+        > "$OUT/tests.log" 2>&1 || { echo "tests exited $?"; rc=1; }
+      tail -5 "$OUT/tests.log" ;;
     stop)
       for d in "$bg" "$q"; do
         if running "$d"; then
