@@ -216,6 +216,10 @@ class AgentConfig(Section):
         return self
 
 
+AUTO_BATCHED_TOKENS = 16384
+"""``engine.max_num_batched_tokens: auto`` on a CUDA engine (vLLM's offline default on H100/H200)."""
+
+
 class EngineConfig(Section):
     num_engines: int = Field(1, ge=1)
     """vLLM engine actors."""
@@ -241,6 +245,13 @@ class EngineConfig(Section):
     times slower (launch-bound). true/false force it."""
     max_num_seqs: int = Field(64, ge=1)
     """Requests an engine batches at once."""
+    max_num_batched_tokens: int | Literal["auto"] | None = "auto"
+    """Tokens one engine step may process (vLLM's scheduler budget, shared by the decoding requests'
+    tokens and prefill; a long prompt or tool answer is prefilled in chunks of what is left). auto
+    (the default): 16,384 on CUDA engines, vLLM's own default for offline batch generation on
+    H100/H200-class GPUs (its async engine's default is 2,048: a 131k-token episode then takes 64
+    engine steps to prefill; TRL gives its engine 4,096); vLLM's default on CPU engines (null), which
+    prefill whole prompts. An int sets it; null takes vLLM's default everywhere."""
     num_cpus: float = Field(1.0, gt=0)
     """Ray CPUs reserved per engine actor."""
     num_gpus: float = Field(0.0, ge=0)
@@ -252,4 +263,9 @@ class EngineConfig(Section):
     def _resolve_eager(self) -> EngineConfig:
         if self.enforce_eager == "auto":  # resolved here, so --print-config shows what runs
             object.__setattr__(self, "enforce_eager", self.num_gpus == 0)
+        if self.max_num_batched_tokens == "auto":
+            object.__setattr__(self, "max_num_batched_tokens", AUTO_BATCHED_TOKENS if self.num_gpus > 0 else None)
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"engine.max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                             f"engine.max_num_seqs ({self.max_num_seqs}): each running request needs a token a step")
         return self

@@ -330,6 +330,8 @@ def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monke
     (row,) = json.loads((tmp_path / "out.json").read_text())
     assert row["status"] == "cut" and row["steps"] == 2 and row["reward_curve"] == [0.5, 0.6, 0.7]
     assert row["extra"]["start_s"]["engines"] == 2.0 and row["extra"]["start_s"]["trainer_start"] >= 0
+    # what ran, in the row: the engine's step budget (CPU here: vLLM's own) and the core attention
+    assert row["extra"]["config"]["engine_batched_tokens"] is None and row["extra"]["config"]["attention"] == "auto"
     assert row["trained_tokens_per_step"] == 1000.0 and row["trained_tokens_per_s_per_gpu"] > 0
     assert row["weight_sync_s"] == 0.25 and "ZeroDivisionError" in row["extra"]["learner_memory_gib"]
     assert events == ["start", "shutdown:written"]

@@ -45,3 +45,24 @@ def test_every_key_is_a_vllm_engine_argument():
 def test_bad_kv_cache_size_is_refused(bad):
     with pytest.raises(ConfigError, match="gpu_kv_cache_gib"):
         load_config(None, [f"engine.gpu_kv_cache_gib={bad}"])
+
+
+def test_gpu_engines_prefill_in_vllm_offline_sized_steps():
+    """engine.max_num_batched_tokens auto: 16,384 tokens a step on a CUDA engine (vLLM's async engine
+    would take 2,048: a 131k-token episode in 64 steps), vLLM's own default on a CPU engine (whole
+    prompts); an int is passed as it is, null leaves vLLM's default, and a budget below the requests
+    batched at once is refused."""
+    from agentrl.config_rollout import AUTO_BATCHED_TOKENS
+
+    gpu = load_config(None, ["engine.num_gpus=1"])
+    assert gpu.engine.max_num_batched_tokens == AUTO_BATCHED_TOKENS == 16384
+    assert _kwargs(["engine.num_gpus=1"])["max_num_batched_tokens"] == 16384
+    assert load_config(None, []).engine.max_num_batched_tokens is None
+    assert "max_num_batched_tokens" not in _kwargs([])  # CPU: chunked prefill off, vLLM sizes the step
+    assert _kwargs(["engine.num_gpus=1", "engine.max_num_batched_tokens=8192"])["max_num_batched_tokens"] == 8192
+    assert "max_num_batched_tokens" not in _kwargs(["engine.num_gpus=1", "engine.max_num_batched_tokens=null"])
+    with pytest.raises(ConfigError, match="max_num_batched_tokens .32. must be at least engine.max_num_seqs .64."):
+        load_config(None, ["engine.num_gpus=1", "engine.max_num_batched_tokens=32"])
+    from vllm import AsyncEngineArgs
+
+    assert AsyncEngineArgs(**_kwargs(["engine.num_gpus=1"])).max_num_batched_tokens == 16384

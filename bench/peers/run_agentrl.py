@@ -139,7 +139,9 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
     cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "gpu_1x.yaml",
                       overrides(args, wl, model, texts_file, setting))
     res.extra["config"] = {"max_staleness": cfg.replay.max_staleness, "engine_sleep": cfg.colocate.engine_sleep,
-                           "learner": cfg.learner.backend, "micro_batch_tokens": cfg.packing.max_tokens_per_microbatch}
+                           "learner": cfg.learner.backend, "micro_batch_tokens": cfg.packing.max_tokens_per_microbatch,
+                           "engine_batched_tokens": cfg.engine.max_num_batched_tokens,
+                           "attention": cfg.learner.megatron.attention}
     t_init = time.perf_counter()
     trainer = Trainer(cfg, progress=False)
     trainer.save_checkpoint = lambda: None  # a benchmark keeps no checkpoint (3 GB at this size)
