@@ -163,9 +163,8 @@ class VLLMEngine:
             gpu_memory_utilization=self.cfg.gpu_memory_utilization, logprobs_mode="processed_logprobs",
             enable_prefix_caching=True, worker_extension_cls="agentrl.engines.worker_ext.WeightSyncExtension",
             enable_sleep_mode=self.enable_sleep_mode, **self._lora_args())
-        batched = getattr(self.cfg, "max_num_batched_tokens", None)
-        if isinstance(batched, int):  # auto was resolved by the config; None: vLLM's default
-            kwargs["max_num_batched_tokens"] = batched
+        if self.cfg.max_num_batched_tokens is not None:  # auto is resolved by the config; None: vLLM's default
+            kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
         if self.cfg.num_gpus == 0:
             # A prompt prefilled in chunks samples a token at each chunk and throws it away; for a
             # request with its own seed (`rollout.sampling_seed`, train.deterministic, an endpoint

@@ -1,0 +1,155 @@
+"""bench/peers/device.sh on this machine: its steps run against a stand-in runner (no GPU, nothing
+carried, none of this machine's Ray processes touched): fit probes, run steps with their own batch and
+steps, the attention and tests steps, and the detached queue (bg, wait, stop)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def _device_sh(tmp_path, runner_extra=""):
+    """A copy of bench/peers/device.sh's scripts with a stand-in run_agentrl.py (OOM from 32k on) and
+    the environment to run them in: no GPU, nothing carried, no Ray process of this machine touched."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    work = tmp_path / "repo"  # a copy of the scripts: device_env.sh links agentrl/envs in its cwd
+    for rel in ("bench/device_env.sh", "bench/peers/device.sh", "bench/peers/table.py", "bench/attention.py"):
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(root / rel, work / rel)
+    (work / "agentrl").mkdir()
+    (tmp_path / "site" / "vllm").mkdir(parents=True)
+    runners = tmp_path / "runners"
+    runners.mkdir()
+    (runners / "run_agentrl.py").write_text(
+        "import argparse, json, time\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--workload'); p.add_argument('--settings')\n"
+        "p.add_argument('--out'); p.add_argument('--workdir'); p.add_argument('--steps', type=int)\n"
+        "p.add_argument('--warmup', type=int, default=1); p.add_argument('--group-size', type=int, default=8)\n"
+        "p.add_argument('--prompts-per-step', type=int, default=2)\n"
+        "a = p.parse_args()\n"
+        "n = int(a.workload[4:-1])\n"
+        + runner_extra +
+        "status = 'ok' if n < 32 else 'oom'\n"
+        "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps,\n"
+        "                              'batch': [a.warmup, a.group_size, a.prompts_per_step]}))\n"
+        "raise SystemExit(0 if status == 'ok' else 1)\n")
+    env = {**os.environ, "DEVICE_SITE": str(tmp_path / "site"), "PEERS_RUNNERS": str(runners),
+           "OUT": str(tmp_path / "out"), "SETTLE_S": "0", "PEER_ARGS": "",
+           "PEERS_BG_DIR": str(tmp_path / "bg"), "PEERS_QUEUE_DIR": str(tmp_path / "q"),
+           "PEERS_KILL_LEFTOVERS": "0"}  # never kill this machine's Ray processes: the suite's own cluster
+    return work, env
+
+
+def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
+    """device.sh fit:SYSTEM:SETTINGS:N1,N2,...: longNk in the order given, one timed step each,
+    stopping at the first run whose result is not "ok" (here a stand-in runner that OOMs at 32k), or,
+    with the lengths longest first, at the first that is."""
+    import subprocess
+
+    work, env = _device_sh(tmp_path)
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "fit:agentrl:recommended:16,24,32,48"], cwd=work,
+                          env=env, capture_output=True, text=True, timeout=120)
+    out = proc.stdout
+    assert "fit: agentrl (recommended) fits long16k" in out and "fits long24k" in out, out + proc.stderr
+    assert 'does not fit long32k: "status": "oom"' in out, out
+    assert "long48k" not in out and proc.returncode == 0, out  # stopped there; a fit probe's OOM is its answer
+    assert '"steps": 1, "batch": [1, 8, 2]' in (tmp_path / "out" / "agentrl-long16k.log").read_text()
+
+    # longest first: probe down until one fits (an OOM ends a run early; a fit costs whole steps);
+    # FIT_PROBE=1: each run one step of 4 episodes, no warm-up
+    out_down = tmp_path / "out_down"
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "fit:agentrl:recommended:64,48,24,16"], cwd=work,
+                          env={**env, "OUT": str(out_down), "FIT_PROBE": "1"}, capture_output=True, text=True,
+                          timeout=120)
+    out = proc.stdout
+    assert 'does not fit long64k: "status": "oom"' in out and 'does not fit long48k' in out, out + proc.stderr
+    assert "fit: agentrl (recommended) fits long24k" in out, out
+    assert "long16k" not in out and proc.returncode == 0, out  # the longest that fits ends the probe
+    assert not (out_down / "agentrl-long16k.log").exists()
+    assert '"steps": 1, "batch": [0, 4, 1]' in (out_down / "agentrl-long24k.log").read_text()
+
+    # a run step with a batch of its own (the probe batch as a row: warm-up and timed steps as usual)
+    out_row = tmp_path / "out_row"
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:recommended:g4p1"], cwd=work,
+                          env={**env, "OUT": str(out_row)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and '"batch": [1, 4, 1]' in proc.stdout, proc.stdout + proc.stderr
+    # ... and warm-up and timed steps of its own, which win over PEER_ARGS' (a fit's --steps 1 there)
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:recommended:g4p1w2s5"], cwd=work,
+                          env={**env, "OUT": str(out_row), "PEER_ARGS": "--steps 1"}, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and '"steps": 5, "batch": [2, 4, 1]' in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:recommended:4x1"], cwd=work,
+                          env={**env, "OUT": str(out_row)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is not a batch" in proc.stdout, proc.stdout
+
+    # the attention step: bench/attention.py's rows in $OUT/attention.json (--cpu: its dry run here)
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "attention"], cwd=work, timeout=300, capture_output=True,
+                          text=True, env={**env, "OUT": str(out_row), "ATT_LENGTHS": "128", "ATT_ARGS": "--cpu",
+                                          # this interpreter as the script's python3 (torch, agentrl)
+                                          "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"})
+    rows = json.loads((out_row / "attention.json").read_text())["rows"]
+    assert proc.returncode == 0 and {r["length"] for r in rows} == {128}, proc.stdout + proc.stderr
+    assert "sdpa-default" in proc.stdout
+
+    # the tests step: pytest on the named files, its summary printed, a failure in the step's status
+    (work / "tests").mkdir()
+    (work / "tests" / "test_here.py").write_text("def test_ok():\n    assert True\n")
+    (work / "tests" / "test_bad.py").write_text("def test_no():\n    assert 1 == 2\n")
+    py_env = {**env, "OUT": str(out_row), "PATH": f"{Path(sys.executable).parent}:{env['PATH']}"}
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "tests:tests/test_here.py"], cwd=work, env=py_env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "tests:tests/test_here.py,tests/test_bad.py"], cwd=work,
+                          env=py_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "1 failed, 1 passed" in proc.stdout and "tests exited 1" in proc.stdout, proc.stdout
+    assert "assert 1 == 2" in (out_row / "tests.log").read_text()
+
+
+
+
+
+def test_device_bg_queues_steps_detached_and_wait_hands_over_their_results(tmp_path):
+    """device.sh bg STEP...: the steps after `bg` run detached in order (the call returns at once);
+    `wait` waits, copies the queue's logs and results to $OUT, prints what is new, and says when the
+    queue is done (exit 0) or still runs (exit 4); `stop` ends a queue and its runs."""
+    import subprocess
+    import time
+
+    work, env = _device_sh(tmp_path, runner_extra="time.sleep(1.5 if n < 64 else 600)\n")
+    sh = ["bash", "bench/peers/device.sh"]
+    t0 = time.monotonic()
+    proc = subprocess.run([*sh, "bg", "fit:agentrl:recommended:16,24,32,48"], cwd=work, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "detached: fit:agentrl:recommended:16,24,32,48" in proc.stdout, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 20  # returned while the runs go on
+    busy = subprocess.run([*sh, "bg", "fit:agentrl:recommended:16"], cwd=work, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert busy.returncode == 2 and "a detached run is on" in busy.stdout  # one queue at a time
+    first = subprocess.run([*sh, "wait"], cwd=work, env={**env, "WAIT_S": "0"}, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 4 and "the queue still runs" in first.stdout, first.stdout + first.stderr
+    done = subprocess.run([*sh, "wait"], cwd=work, env={**env, "WAIT_S": "60"}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "the queue is done" in done.stdout, done.stdout + done.stderr
+    seen = first.stdout + done.stdout
+    assert "fits long24k" in seen and 'does not fit long32k: "status": "oom"' in seen and "long48k" not in seen, seen
+    assert seen.count("fits long16k") == 1  # each line once over the waits
+    out = tmp_path / "out"
+    assert '"status": "oom"' in (out / "agentrl-long32k.log").read_text() and (out / "agentrl-long16k.log").is_file()
+
+    # stop: a queue whose run would take 10 minutes ends at once, its runner with it
+    proc = subprocess.run([*sh, "bg", "fit:agentrl:recommended:64"], cwd=work, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    time.sleep(2)
+    runner = subprocess.run(["pgrep", "-f", f"{tmp_path}/runners/run_agentrl.py"], capture_output=True, text=True)
+    assert runner.stdout.strip(), "the queued runner did not start"
+    stop = subprocess.run([*sh, "stop"], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert "stopped fit:agentrl:recommended:64" in stop.stdout, stop.stdout + stop.stderr
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", f"{tmp_path}/runners/run_agentrl.py"], capture_output=True, text=True)
+    assert not left.stdout.strip(), f"runner left: {left.stdout}"
