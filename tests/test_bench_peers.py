@@ -471,3 +471,33 @@ def test_agentrl_result_says_where_each_steps_time_went_and_what_recomputed():
     plain = Result(system="agentrl", setting="like", workload="multi")
     summarize(plain, [{k: v for k, v in rows[0].items() if "recompute" not in k}], [10.0], 0.0, warmup=0)
     assert "recompute_by_step" not in plain.extra  # no recompute setting: no recompute figures
+
+
+def test_trl_sleep_setting_is_recommended_with_the_engine_asleep_while_training(tmp_path, capsys, monkeypatch):
+    """run_trl's `sleep` setting (the fit probes' memory saver) differs from `recommended` only in
+    vLLM's sleep mode; `like` drops recompute; an unknown setting stops before any model is made."""
+    from bench.peers import run_trl
+    from bench.peers.common import harness_parser, run_workload
+
+    parser = harness_parser(run_trl.__doc__)
+    parser.add_argument("--engine-mem", type=float, default=0.3)
+    parser.add_argument("--cpu", action="store_true")
+    args = parser.parse_args(["--workload", "long256k", "--group-size", "2", "--prompts-per-step", "1",
+                              "--workdir", str(tmp_path)])
+    wl = run_workload(args)
+    kw = {s: run_trl.config_kwargs(args, wl, s, 1, wl.episode_tokens, 6) for s in run_trl.SETTINGS}
+    assert kw["sleep"]["vllm_enable_sleep_mode"] is True and kw["recommended"]["vllm_enable_sleep_mode"] is False
+    differ = {k for k in kw["sleep"] if kw["sleep"][k] != kw["recommended"][k]}
+    assert differ == {"vllm_enable_sleep_mode", "output_dir"}
+    assert kw["sleep"]["gradient_accumulation_steps"] == 2 and kw["sleep"]["vllm_max_model_length"] > wl.episode_tokens
+    assert kw["like"]["gradient_checkpointing"] is False and kw["recommended"]["gradient_checkpointing"] is True
+    args.cpu = True  # the CPU check has no vLLM to put to sleep
+    assert run_trl.config_kwargs(args, wl, "sleep", 1, wl.episode_tokens, 6)["vllm_enable_sleep_mode"] is False
+    with pytest.raises(SystemExit, match="unknown setting 'fast'"):
+        run_trl.config_kwargs(args, wl, "fast", 1, wl.episode_tokens, 6)
+    monkeypatch.setattr("sys.argv", ["run_trl.py", "--workload", "long", "--settings", "recommended,fast",
+                                     "--workdir", str(tmp_path)])
+    with pytest.raises(SystemExit):
+        run_trl.main()
+    assert "unknown setting(s) fast" in capsys.readouterr().err
+    assert not any(tmp_path.glob("model-*"))  # refused before the harness model was made

@@ -72,6 +72,11 @@ def test_device_fit_step_runs_longer_episodes_until_one_does_not_fit(tmp_path):
     assert "long16k" not in out and proc.returncode == 0, out  # the longest that fits ends the probe
     assert not (out_down / "agentrl-long16k.log").exists()
     assert '"steps": 1, "batch": [0, 4, 1]' in (out_down / "agentrl-long24k.log").read_text()
+    # FIT_GROUP: the probe's group size (2 episodes a step: the longest lengths' steps take minutes)
+    proc = subprocess.run(["bash", "bench/peers/device.sh", "fit:agentrl:recommended:24"], cwd=work,
+                          env={**env, "OUT": str(out_down), "FIT_PROBE": "1", "FIT_GROUP": "2"},
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and '"steps": 1, "batch": [0, 2, 1]' in proc.stdout, proc.stdout + proc.stderr
 
     # a run step with a batch of its own (the probe batch as a row: warm-up and timed steps as usual)
     out_row = tmp_path / "out_row"

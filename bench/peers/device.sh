@@ -21,7 +21,8 @@
 # (an OOM comes early in a run, a fit costs whole steps: the cheaper order where most lengths fail).
 # FIT_PROBE=1 makes each a probe: one step of 4 episodes (1 prompt x 4 samples, no warm-up; results
 # named longNk-g4p1), the same memory per micro-batch as the full workload's 16 (common.run_workload)
-# at a quarter of a step: TRL's long48k did not finish a step of 16 in 270 s on the H200.
+# at a quarter of a step: TRL's long48k did not finish a step of 16 in 270 s on the H200. FIT_GROUP=2
+# halves a probe's step again (2 episodes, named longNk-g2p1): TRL takes ~300 s for 4 episodes of 192k.
 # A fresh machine's first run also makes the harness model (minutes): give it RUN_TIMEOUT >= 540.
 # `bg`: the steps after it run detached, one after another, in a device.sh of their own (setsid: it
 # outlives the call; its $OUT is /tmp/peers/q/out), each run bounded by RUN_TIMEOUT as in the foreground,
@@ -99,7 +100,7 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       IFS=: read -r _ system settings lengths <<< "$step"
       read -r -a ns <<< "${lengths//,/ }"
       down=0; [ "${#ns[@]}" -gt 1 ] && [ "${ns[0]}" -gt "${ns[1]}" ] && down=1  # longest first: probe down
-      probe=""; [ "${FIT_PROBE:-0}" = 1 ] && probe="--warmup 0 --group-size 4 --prompts-per-step 1"
+      probe=""; [ "${FIT_PROBE:-0}" = 1 ] && probe="--warmup 0 --group-size ${FIT_GROUP:-4} --prompts-per-step 1"
       for n in "${ns[@]}"; do
         run_step "$system" "long${n}k" "$settings" --steps 1 $probe
         last=$(grep "^RESULT" "$OUT/${system}-long${n}k.log" | tail -1)

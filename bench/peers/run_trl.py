@@ -14,6 +14,10 @@ Settings:
                with the harness's clip (0.2/0.28), KL off (beta 0, TRL's default) and learning rate.
   like         the same, with agentrl's choices where TRL has the knob: token-level truncated IS
                capped at 2, no gradient checkpointing (agentrl's Megatron learner does not recompute).
+  sleep        recommended with `vllm_enable_sleep_mode` (TRL's documented memory saver in colocate
+               mode: the engine drops its weights and KV cache while the model trains and wakes for the
+               next generation), the setting a TRL user turns to when the long workload runs out of
+               memory; agentrl's long runs sleep their engine the same way.
 
     python bench/peers/run_trl.py --workload multi --settings recommended --out peers.json
 """
@@ -104,6 +108,39 @@ def make_reward(new_tokens: int, completion_tokens: list[int]):
     return harness_reward
 
 
+SETTINGS = ("recommended", "like", "sleep")
+
+
+def config_kwargs(args: argparse.Namespace, wl, setting: str, per_device: int, max_completion: int,
+                  steps: int) -> dict:
+    """GRPOConfig's arguments for one setting (module docstring): plain data, so a CPU test can read
+    them without TRL installed."""
+    if setting not in SETTINGS:
+        raise SystemExit(f"run_trl: unknown setting {setting!r}: one of {', '.join(SETTINGS)}")
+    like = setting == "like"
+    total = wl.group_size * wl.prompts_per_step
+    return dict(
+        output_dir=f"{args.workdir}/trl-{wl.name}-{setting}", max_steps=steps, learning_rate=args.lr,
+        per_device_train_batch_size=per_device, gradient_accumulation_steps=total // per_device,
+        num_generations=wl.group_size, max_completion_length=max_completion,
+        temperature=1.0, top_p=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
+        # per reply (vLLM's SamplingParams; transformers' generate on the CPU check)
+        generation_kwargs=({"min_new_tokens": wl.new_tokens, "max_new_tokens": wl.new_tokens} if args.cpu
+                           else {"min_tokens": wl.new_tokens, "max_tokens": wl.new_tokens}),
+        max_tool_calling_iterations=wl.tool_calls if wl.tool_calls else None,
+        use_vllm=not args.cpu, vllm_mode="colocate", vllm_gpu_memory_utilization=args.engine_mem,
+        vllm_max_model_length=wl.episode_tokens + 512,
+        # TRL's memory saver for colocate: the engine drops its weights and KV cache while the model trains
+        vllm_enable_sleep_mode=setting == "sleep" and not args.cpu,
+        gradient_checkpointing=not like, bf16=not args.cpu, use_cpu=args.cpu,
+        vllm_importance_sampling_mode="token_truncate" if like else "sequence_mask",
+        vllm_importance_sampling_clip_max=2.0 if like else 3.0,
+        lr_scheduler_type="constant" if like else "linear",
+        logging_steps=1, save_strategy="no", report_to="none", seed=0, shuffle_dataset=False,
+        dataloader_num_workers=0,
+    )
+
+
 def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], observation: str, setting: str) -> Result:
     import torch
     import trl
@@ -124,25 +161,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
     if wl.tool_calls:
         always_a_tool_call(tok)
         tools = [lookup_tool(observation, wl.tool_latency_s)]
-    like = setting == "like"
-    cfg = GRPOConfig(
-        output_dir=f"{args.workdir}/trl-{wl.name}-{setting}", max_steps=steps, learning_rate=args.lr,
-        per_device_train_batch_size=per_device, gradient_accumulation_steps=total // per_device,
-        num_generations=wl.group_size, max_completion_length=max_completion,
-        temperature=1.0, top_p=1.0, beta=0.0, epsilon=0.2, epsilon_high=0.28,
-        # per reply (vLLM's SamplingParams; transformers' generate on the CPU check)
-        generation_kwargs=({"min_new_tokens": wl.new_tokens, "max_new_tokens": wl.new_tokens} if args.cpu
-                           else {"min_tokens": wl.new_tokens, "max_tokens": wl.new_tokens}),
-        max_tool_calling_iterations=wl.tool_calls if wl.tool_calls else None,
-        use_vllm=not args.cpu, vllm_mode="colocate", vllm_gpu_memory_utilization=args.engine_mem,
-        vllm_max_model_length=wl.episode_tokens + 512,
-        gradient_checkpointing=not like, bf16=not args.cpu, use_cpu=args.cpu,
-        vllm_importance_sampling_mode="token_truncate" if like else "sequence_mask",
-        vllm_importance_sampling_clip_max=2.0 if like else 3.0,
-        lr_scheduler_type="constant" if like else "linear",
-        logging_steps=1, save_strategy="no", report_to="none", seed=0, shuffle_dataset=False,
-        dataloader_num_workers=0,
-    )
+    cfg = GRPOConfig(**config_kwargs(args, wl, setting, per_device, max_completion, steps))
     rows = [{"prompt": [{"role": "user", "content": prompts[i % len(prompts)]}]} for i in range(wl.prompts_per_step * steps)]
     stamps: list[float] = []
     log_rows: list[dict] = []
@@ -201,7 +220,8 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
         res.extra["tool_calls_per_episode"] = [lg.get("tools/call_frequency") for lg in log_rows]
         res.extra["config"] = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": total // per_device,
                                "gradient_checkpointing": cfg.gradient_checkpointing,
-                               "is_mode": cfg.vllm_importance_sampling_mode}
+                               "is_mode": cfg.vllm_importance_sampling_mode,
+                               "engine_sleep": cfg.vllm_enable_sleep_mode}
     busy_from = stamps[args.warmup - 1] if len(stamps) > args.warmup else 0.0
     return close_result(res, sampler, busy_from, args.steps)
 
@@ -213,6 +233,9 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="a CPU check of the harness (transformers generate, no vLLM)")
     p.add_argument("--any-version", action="store_true")
     args = p.parse_args()
+    unknown = [s for s in args.settings.split(",") if s not in SETTINGS]
+    if unknown:
+        p.error(f"unknown setting(s) {', '.join(unknown)}: TRL runs {', '.join(SETTINGS)}")
     wl = run_workload(args)
     model = make_model(Path(args.workdir) / f"model-{'cpu' if args.cpu else '1.5b'}", "cpu" if args.cpu else "1.5b")
     from transformers import AutoTokenizer
