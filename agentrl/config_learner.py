@@ -55,7 +55,7 @@ class MegatronConfig(Section):
     document-causal mask, one call a micro-batch (fast for many short documents; what CUDA graphs
     replay). ``sdpa``: one causal SDPA call a document (cuDNN's kernel on Hopper: 1.4-1.9x
     FlexAttention's forward+backward on one document of 4k-128k tokens, H200). ``auto`` (the
-    default): per micro-batch, SDPA when its documents average at least 4,096 tokens, FlexAttention
+    default): per micro-batch, SDPA when its documents average at least 8,192 tokens, FlexAttention
     otherwise; FlexAttention throughout under cuda_graphs. ``te``: TransformerEngine's, when it is
     importable. Context parallelism has its own attention (FlexAttention unless ``sdpa``)."""
     cuda_graphs: Literal["auto", True, False] = "auto"

@@ -32,12 +32,14 @@ from agentrl.learners.megatron.compiled import compiled, flex_attention
 __all__ = ["AUTO_SDPA_MEAN_DOC_TOKENS", "PackedAttentionParams", "PackedCoreAttention", "apply_rope", "auto_backend",
            "document_block_mask", "document_bounds", "make_packed_params"]
 
-AUTO_SDPA_MEAN_DOC_TOKENS = 4096
+AUTO_SDPA_MEAN_DOC_TOKENS = 8192
 """``attention=auto`` runs a micro-batch with SDPA when its documents average at least this many
-tokens, with FlexAttention otherwise. One document of 4k-128k tokens (Qwen2.5-1.5B heads, bf16, H200,
-torch 2.11: SDPA picks cuDNN): SDPA's forward+backward 1.4-1.9x FlexAttention's (bench/attention.py,
-bench/RESULTS.md "Nineteenth session"); below it the per-document calls of many short documents
-would cost more than they save, and FlexAttention does them in one block-sparse call."""
+tokens, with FlexAttention otherwise. Qwen2.5-1.5B heads, bf16, H200, torch 2.11 (SDPA picks cuDNN),
+forward+backward (bench/attention.py, bench/RESULTS.md "Nineteenth session", "Twentieth session"):
+on one document of 4k-128k tokens SDPA takes 1/1.4-1/1.9 of FlexAttention's time; packed documents
+of 16k (4 in 64k) 1/1.3; but at 4k a document the two tie (1.10x SDPA with 4 in 16k, 0.73x with 16
+in 64k, where one block-sparse call beats 16 kernel launches a layer), and shorter ones are
+FlexAttention's (1k: 0.26x, 256: 0.07x). 8,192 keeps the tie on FlexAttention's side."""
 
 
 @dataclass
