@@ -36,6 +36,9 @@ def _busy(method: Callable[..., Any]) -> Callable[..., Any]:
 @ray.remote(concurrency_groups={**DIAG_GROUPS, "refit": 1})
 class LearnerActor(SyncDiag):
     def __init__(self, cfg: Config, model_path: str, **kwargs: Any) -> None:
+        from agentrl.learners.common import STARTUP
+
+        STARTUP.restart()  # start_timeline: from here
         import torch
 
         from agentrl.learners.base import build_learner
@@ -68,6 +71,7 @@ class LearnerActor(SyncDiag):
         from agentrl.learners.common import PEAKS
 
         PEAKS.note("built")  # the model and optimizer in place, before any step
+        STARTUP.mark("built")
 
     @_busy
     def train_step(self, groups) -> dict[str, float]:
@@ -220,6 +224,14 @@ class LearnerActor(SyncDiag):
         from agentrl.learners.common import learner_memory
 
         return learner_memory(self.learner, {"refit_buffer": self._refit_buf})
+
+    def start_timeline(self) -> dict[str, float]:
+        """Seconds from this actor's start to each point of its build (``imports``: the learner's
+        modules, ``distributed``, ``parallel_state``, ``model_built``, ``weights_read``,
+        ``weights_loaded``, ``optimizer`` on the Megatron learner; ``built``: the actor ready)."""
+        from agentrl.learners.common import STARTUP
+
+        return dict(STARTUP.marks)
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()

@@ -131,6 +131,7 @@ class Trainer(Supervision, WeightSync):
         self._progress_counts: tuple[float, float] | None = None  # _progress: (put, dropped stale) last look
         self._fresh_looks = 0
         self.engine_start_s: float | None = None  # how long the engines took to start (a restart's grace)
+        self.start_s: dict[str, float] = {}  # start(): seconds each part of the start-up took
 
     # -- actors -----------------------------------------------------------------------------------
     def start(self) -> None:
@@ -141,6 +142,13 @@ class Trainer(Supervision, WeightSync):
         from agentrl.actors.replay import ReplayActor
 
         cfg = self.cfg
+        clock = [time.perf_counter()]
+
+        def took(name: str) -> None:  # start_s[name]: the seconds since the last part ended
+            now = time.perf_counter()
+            self.start_s[name] = round(now - clock[0], 2)
+            clock[0] = now
+
         if not ray.is_initialized():
             ray.init(**ray_init_kwargs(cfg.cluster.address, cfg.cluster.num_cpus, self.runtime_env,
                                        cfg.cluster.max_task_events, cfg.cluster.worker_niceness))
@@ -148,6 +156,7 @@ class Trainer(Supervision, WeightSync):
             warnings.warn("cluster.runtime_env has no effect: Ray was initialized before the Trainer started; "
                           "pass runtime_env=trainer.runtime_env to ray.init instead", stacklevel=2)
         self._take_sigterm()
+        took("ray")
         # The replay queue (and the staged weights) lives on the driver's node: it holds the run's
         # in-flight state, and a node that holds an engine may go away (tests/test_cluster.py).
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
@@ -182,37 +191,48 @@ class Trainer(Supervision, WeightSync):
                      vocab_limit=tokenizer_vocab_limit(self.model_path, cfg.model.tokenizer_vocab_only))
             for i in range(cfg.engine.num_engines)
         ]
+        took("replay_and_placement")
         if co.enabled:
             # vLLM sizes its KV cache from the memory it sees at start: engines first, then the
             # learner (while sleeping engines hold only their CUDA context), then the engines wake.
             t_engines = time.perf_counter()
             ray.get([e.start.remote() for e in self.engines])
             self.engine_start_s = time.perf_counter() - t_engines  # a restart's grace (else watchdog.first_s)
+            took("engines")
             if self.sleeping_engines:
                 ray.get([e.sleep.remote(1) for e in self.engines])
+                took("engines_sleep")
             self.learner = LearnerGroup(cfg, self.model_path, placement=(self.placement, self.placement_group))
             self.gpu_memory["learner_built"] = ray.get(self.learner.free_memory.remote())
+            took("learner")
             if self.sleeping_engines:
                 ray.get([e.wake_up.remote() for e in self.engines])
+                took("engines_wake")
         else:
             self.learner = LearnerGroup(cfg, self.model_path)
             t_engines = time.perf_counter()
             self._start_engines()
             self.engine_start_s = time.perf_counter() - t_engines
+            took("engines")  # the learner builds meanwhile, in its own processes
         if cfg.distill.enabled:
             self.teachers = self._start_teachers(EngineActor)
+            took("teachers")
         if self.transport == "nccl":
             self._init_weight_group()
+            took("weight_group")
         if self.resume:
             self._restore()
+            took("restore")
         elif cfg.learner.lora.serves_adapter:
             # Every request runs on the policy's adapter from the start (a fresh one equals the base):
             # an in-flight request never switches from the base to an adapter at a later refit.
             # (Served merged, the engines start on the base, which a fresh adapter merges to.)
             self.refit()
+            took("refit")
         self.rollout_generation = [0] * cfg.rollout.num_actors
         self.rollouts = [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
         ray.get([r.node_id.remote() for r in self.rollouts])  # constructed (tokenizer, env checked)
+        took("rollouts")
         self.actors_started = True
         from agentrl.actors.watchdog import Watchdog
 

@@ -309,6 +309,7 @@ def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monke
         def start(self):
             events.append("start")
             self.engine_start_s = 2.04
+            self.start_s = {"ray": 1.5, "engines": 2.04, "learner": 3.25}
 
         def _loop(self, logger):
             for step in range(3):  # a warm-up step and two timed ones, then the signal
@@ -328,6 +329,8 @@ def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monke
     (row,) = json.loads((tmp_path / "out.json").read_text())
     assert row["status"] == "cut" and row["steps"] == 2 and row["reward_curve"] == [0.5, 0.6, 0.7]
     assert row["extra"]["start_s"]["engines"] == 2.0 and row["extra"]["start_s"]["trainer_start"] >= 0
+    assert row["extra"]["start_s"]["trainer_parts"] == {"ray": 1.5, "engines": 2.04, "learner": 3.25}
+    assert "AttributeError" in row["extra"]["start_s"]["learner_build"]  # no timeline: the run goes on
     # what ran, in the row: the engine's step budget (CPU here: vLLM's own) and the core attention
     assert row["extra"]["config"]["engine_batched_tokens"] is None and row["extra"]["config"]["attention"] == "auto"
     assert row["trained_tokens_per_step"] == 1000.0 and row["trained_tokens_per_s_per_gpu"] > 0

@@ -38,6 +38,10 @@ def test_megatron_matches_hf_and_torch_learner(tmp_path: Path, family: str) -> N
     assert r["mega_vs_fp32_mean"] < 1.5 * r["hfbf16_vs_fp32_mean"] + 1e-3, r
     assert r["mega_vs_fp32_max"] < 2.0 * r["hfbf16_vs_fp32_max"] + 0.05, r
     assert r["first_token_zero"]
+    marks = r["build_marks"]  # the build's timeline, in the order it ran
+    assert list(marks) == ["imports", "distributed", "parallel_state", "model_built", "weights_read",
+                           "weights_loaded", "optimizer"], marks
+    assert list(marks.values()) == sorted(marks.values()), marks
     assert r["optimizer_fused_built"] and r["optimizer_fused_loaded"], r  # no parameter-sized AdamW temporary
     assert r["dist_backend"] == "agentrl_solo", r  # one process: no NCCL communicator (megatron/solo.py)
     # save -> step -> load restores weights exactly, the step counter and the optimizer state:

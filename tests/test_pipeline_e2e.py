@@ -285,8 +285,15 @@ def test_broadcast_refit_transport_on_cpu(tiny_model_dir, tmp_path):
     the engine scores exactly as the learner does."""
     cfg = load_config(None, e2e_overrides(tiny_model_dir, tmp_path / "run", "refit.transport=nccl",
                                           "train.num_steps=2", "rollout.num_actors=1"))
-    r = train_and_score(cfg)
+    import ray
+
+    r = train_and_score(cfg, lambda t: {"start_s": dict(t.start_s),
+                                        "timeline": ray.get(t.learner.start_timeline.remote())})
     assert r["transport"] == "nccl" and r["engine_version"] == r["version"] == 2
+    # where the start-up went, part by part (the weight group: this transport's own part)
+    assert list(r["start_s"]) == ["ray", "replay_and_placement", "engines", "weight_group", "rollouts"]
+    assert all(v >= 0 for v in r["start_s"].values()) and r["start_s"]["engines"] > 0
+    assert r["timeline"]["built"] > 0  # the learner actor's build, from its start
     assert mean_abs_diff(r["before"], r["after"]) > 1e-3, "the broadcast refit did not change the engine's logprobs"
     agree = mean_abs_diff(r["learner"], r["after"])
     assert agree < 1e-3, f"engine and learner logprobs differ after a broadcast refit (mean abs {agree:.2e})"

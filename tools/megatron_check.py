@@ -128,7 +128,11 @@ def check_hf(args: argparse.Namespace) -> dict:
     temp = cfg.rollout.temperature
     ref32 = hf_logprobs(model_dir, trajs, torch.float32, temp)
     ref16 = hf_logprobs(model_dir, trajs, torch.bfloat16, temp)
+    from agentrl.learners.common import STARTUP
+
+    STARTUP.restart()
     learner = MegatronLearner(cfg)
+    build_marks = dict(STARTUP.marks)  # where its build went (run_agentrl reports it for each run)
     mega = [torch.tensor(x) for x in learner.logprobs(trajs)]
     from agentrl.optim import torch_optimizers
 
@@ -140,7 +144,7 @@ def check_hf(args: argparse.Namespace) -> dict:
         d = torch.cat([(x - y).abs() for x, y in zip(a, b)])
         return float(d.max()), float(d.mean())
 
-    res: dict = {"family": args.family, "lengths": [len(t) for t in trajs]}
+    res: dict = {"family": args.family, "lengths": [len(t) for t in trajs], "build_marks": build_marks}
     res["mega_vs_fp32_max"], res["mega_vs_fp32_mean"] = err(mega, ref32)
     res["hfbf16_vs_fp32_max"], res["hfbf16_vs_fp32_mean"] = err(ref16, ref32)
     res["mega_vs_hfbf16_max"], res["mega_vs_hfbf16_mean"] = err(mega, ref16)

@@ -4,6 +4,7 @@ packing module, and the loss on a packed micro-batch (packing undone around the 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -261,6 +262,26 @@ class PeakByPhase:
 
 
 PEAKS = PeakByPhase()  # one learner per process: its phases' peaks (learners and the learner actor)
+
+
+class StartClock:
+    """Seconds from the start of a learner's build to each named point of it (CUDA and
+    torch.distributed up, the model built, its weights read and loaded, the optimizer made, ...):
+    where a run's start-up goes, which a GPU session pays for each run. The first time a name is
+    marked counts; :meth:`restart` begins a new build."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.marks: dict[str, float] = {}
+
+    def restart(self) -> None:
+        self.t0, self.marks = time.perf_counter(), {}
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, round(time.perf_counter() - self.t0, 2))
+
+
+STARTUP = StartClock()  # one learner per process, like PEAKS
 
 
 def memory_breakdown(

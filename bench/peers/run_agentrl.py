@@ -157,6 +157,11 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
         trainer.start()  # Ray, the engines (vLLM's start), the learner, the first refit
         start_s["trainer_start"] = round(time.perf_counter() - t_start, 1)
         start_s["engines"] = round(trainer.engine_start_s or 0.0, 1)
+        start_s["trainer_parts"] = dict(trainer.start_s)  # ray, engines, engines_sleep, learner, ...
+        try:  # the learner's build, from its actor's start (imports, CUDA, model, weights, optimizer)
+            start_s["learner_build"] = ray.get(trainer.learner.start_timeline.remote(), timeout=60)
+        except Exception as exc:  # noqa: BLE001 - a diagnostic: the run goes on without it
+            start_s["learner_build"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         logger = type("L", (), {"log": lambda self, step, m: (rows.append(dict(m)), stamps.append(time.perf_counter())),
                                 "close": lambda self: None})()
         runs = [r.run.remote() for r in trainer.rollouts]

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from agentrl.config_learner import graph_length
 from agentrl.learners.common import (
     PEAKS,
+    STARTUP,
     TrainSample,
     build_samples,
     global_counts,
@@ -90,14 +91,17 @@ class MegatronLearner:
                  master_addr: str | None = None, master_port: int | None = None) -> None:
         self.cfg = cfg
         mcfg = cfg.learner.megatron
+        STARTUP.mark("imports")
         self.device = init_distributed(rank=rank, world_size=world_size, local_rank=local_rank,
                                        master_addr=master_addr, master_port=master_port)
+        STARTUP.mark("distributed")
         if mcfg.cuda_graphs:
             from agentrl.learners.megatron.graphs import use_capture_stream
 
             use_capture_stream(self.device)
         self.layout = init_parallel_state(mcfg, seed=cfg.seed)
         PEAKS.note("parallel_state")  # the CUDA context and torch.distributed's communicators, no tensor yet
+        STARTUP.mark("parallel_state")
         torch.manual_seed(cfg.seed + self.layout.pp_rank)
         self.model_path = Path(model_path or cfg.model.path)
         random_init = hf_config is not None and model_path is None
@@ -111,9 +115,12 @@ class MegatronLearner:
         # Megatron trains in bf16/fp16 with fp32 master weights; model.dtype float32 (the CPU default) -> bf16.
         self.dtype = torch_dtype(cfg.model.dtype) if cfg.model.dtype != "float32" else torch.bfloat16
         self.model = self._build()
+        STARTUP.mark("model_built")
         hf_state = None if random_init else read_hf_state_dict(self.model_path)
+        STARTUP.mark("weights_read")
         if hf_state is not None:
             load_hf_weights(self.model, hf_state, self.shape)
+        STARTUP.mark("weights_loaded")
         self.ref_model = None
         if cfg.loss.kl.coef > 0:
             self.ref_model = self._build()
@@ -134,6 +141,7 @@ class MegatronLearner:
         # (CUDA IPC needs plain segments where the allocator maps expandable ones)
         with plain_allocations(zero_copy and mcfg.use_distributed_optimizer and cfg.learner.expandable_segments):
             self.ddp, self.optimizer = build_ddp_and_optimizer(self.model, cfg.learner)
+        STARTUP.mark("optimizer")
         self.param_buffer = (gathered if gathered is not None else self._ddp_parameter_buffer()) if zero_copy else None
         # A zero-copy refit's engines read the parameters in place: the actor sets this to wait for
         # them (their release) before the optimizer step writes the parameters.
