@@ -77,7 +77,7 @@ def test_long_workload_is_about_16k_tokens():
     assert 15_500 <= WORKLOADS["long"].episode_tokens <= 16_800
 
 
-@pytest.mark.parametrize("k", [4, 16, 24, 32, 64])
+@pytest.mark.parametrize("k", [4, 16, 24, 32, 64, 384, 512])
 def test_longNk_workloads_reach_their_length_with_longer_tool_answers(k):
     """Where each system stops fitting: the long workload with only its tool answers grown."""
     import dataclasses
@@ -89,7 +89,7 @@ def test_longNk_workloads_reach_their_length_with_longer_tool_answers(k):
     assert all(getattr(wl, f) == getattr(base, f) for f in same)
 
 
-@pytest.mark.parametrize("bad", ["long", "long2k", "long300k", "long16", "short", "long-4k"])
+@pytest.mark.parametrize("bad", ["long", "long2k", "long513k", "long16", "short", "long-4k"])
 def test_unknown_workloads_are_refused_by_the_runners_parser(bad, capsys):
     from bench.peers.common import harness_parser
 
@@ -430,7 +430,7 @@ def test_peer_model_serves_the_longest_fit_episode_and_keeps_its_weights_when_it
     assert json.loads((out / "config.json").read_text())["max_position_embeddings"] == MAX_POSITIONS
     from bench.peers import run_verl
 
-    longest = workload("long256k")  # the longest longNk: every runner's engine length fits in the model
+    longest = workload("long512k")  # the longest longNk: every runner's engine length fits in the model
     assert MAX_POSITIONS >= max(longest.episode_tokens + 512, run_verl.lengths(longest)["model_len"])
     assert [(f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(out.glob("model*.safetensors"))] == before
 

@@ -101,14 +101,14 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 def workload(name: str) -> Workload:
-    """``WORKLOADS[name]``, or ``longNk`` (N in 4..256): the long workload with tool answers sized so
+    """``WORKLOADS[name]``, or ``longNk`` (N in 4..512): the long workload with tool answers sized so
     that an episode holds about N × 1,024 tokens, to find where each system stops fitting
     (``long16k`` is within a few tokens of ``long``)."""
     if name in WORKLOADS:
         return WORKLOADS[name]
     m = re.fullmatch(r"long(\d+)k", name)
-    if not m or not 4 <= int(m.group(1)) <= 256:
-        raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}, or longNk with N in 4..256")
+    if not m or not 4 <= int(m.group(1)) <= 512:
+        raise ValueError(f"unknown workload {name!r}: one of {', '.join(WORKLOADS)}, or longNk with N in 4..512")
     base = WORKLOADS["long"]
     fixed = base.prompt_tokens + (base.tool_calls + 1) * base.new_tokens + base.tool_calls * 12
     obs = (int(m.group(1)) * 1024 - fixed) // base.tool_calls
@@ -134,12 +134,13 @@ SHAPES = {
 }
 
 
-MAX_POSITIONS = 266240
+MAX_POSITIONS = 525312
 """The context every system may serve and train (``max_position_embeddings``): room for every
-``longNk`` up to ``long256k`` (262,143 tokens) with the runners' margins (agentrl's and TRL's
+``longNk`` up to ``long512k`` (524,287 tokens) with the runners' margins (agentrl's and TRL's
 engines take the episode + 512, verl's prompt and response budgets the episode + 768). It was
-131,072 until 2026-11-29, too short for ``long128k`` (131,071 tokens + 512). The weights do not
-depend on it (RoPE has no parameters)."""
+131,072 until 2026-11-29 (short of ``long128k``), then 266,240 (``long256k``), raised when TRL
+with its engine asleep could reach past 256k. The weights do not depend on it (RoPE has no
+parameters); vLLM's rotary table grows with it (0.1-0.3 GB), in TRL's engine as in agentrl's."""
 
 
 def make_model(out: Path, shape: str = "1.5b", max_position_embeddings: int = MAX_POSITIONS) -> str:
