@@ -504,3 +504,33 @@ def test_trl_sleep_setting_is_recommended_with_the_engine_asleep_while_training(
         run_trl.main()
     assert "unknown setting(s) fast" in capsys.readouterr().err
     assert not any(tmp_path.glob("model-*"))  # refused before the harness model was made
+
+
+def test_combine_pools_the_timed_steps_of_runs_of_one_row_and_refuses_other_devices():
+    """table.py --combine: two runs of one system, setting and workload (3 and 2 timed steps, each
+    after its own warm-up) become one row of 5 whose throughput is their tokens over their seconds,
+    not the mean of their rates; a failed run and other rows pass through; other versions refuse."""
+    from bench.peers.table import combine
+
+    def run(steps, tok_s, walls, date, versions=None):
+        tpp = 1000.0
+        return {"system": "trl", "setting": "sleep", "workload": "long256k-g2p1", "status": "ok", "steps": steps,
+                "trained_tokens_per_step": tpp, "trained_tokens_per_s_per_gpu": tok_s, "step_time_s": 10.0,
+                "generated_tokens_per_s": 2.0, "weight_sync_s": 0.1 * steps, "peak_gpu_gib": 100.0 + steps,
+                "reward_curve": [0.1] * (steps + 1), "device": "NVIDIA H200", "date": date,
+                "versions": versions or {"trl": "1.16.0"}, "extra": {"step_walls_s": walls}}
+
+    a = run(3, 100.0, [12.0, 10.0, 10.0, 10.0], "2026-11-30")  # 3,000 tokens in 30 s
+    b = run(2, 50.0, [25.0, 20.0, 20.0], "2026-12-01")  # 2,000 tokens in 40 s
+    failed = {**run(1, 1.0, [1.0], "2026-12-01"), "status": "oom", "steps": 0}
+    mine = {**run(5, 300.0, [1.0] * 6, "2026-12-01"), "system": "agentrl", "setting": "recommended"}
+    rows = combine([a, failed, b, mine])
+    (pooled,) = [r for r in rows if r["system"] == "trl" and r["status"] == "ok"]
+    assert pooled["steps"] == 5 and pooled["trained_tokens_per_s_per_gpu"] == pytest.approx(5000 / 70)
+    assert pooled["step_time_s"] == 10.0  # the median of 10, 10, 10, 20, 20: the warm-ups left out
+    assert pooled["weight_sync_s"] == pytest.approx((0.3 * 3 + 0.2 * 2) / 5) and pooled["peak_gpu_gib"] == 103.0
+    assert pooled["date"] == "2026-11-30 / 2026-12-01" and len(pooled["extra"]["runs"]) == 2
+    assert failed in rows and mine in rows and len(rows) == 3
+    assert "5 (2 runs)" in table(rows) and "4.20×" in table(rows)  # 300 / (5000 / 70)
+    with pytest.raises(ValueError, match="differ in versions"):
+        combine([a, run(2, 50.0, [1.0] * 3, "2026-12-01", {"trl": "1.17.0"})])

@@ -6,7 +6,12 @@ like-for-like setting over the peer's row, and the best agentrl row that finishe
 finished row of any peer (the goals' "agentrl vs the best peer"). A run that did not finish is
 listed with the last line of its reason.
 
-    python bench/peers/table.py peers.json [more.json ...] [--markdown]
+    python bench/peers/table.py peers.json [more.json ...] [--markdown] [--combine]
+
+``--combine`` pools the timed steps of finished runs of one system, setting and workload into one
+row (each run after its own warm-up; trained tokens over wall time summed over every timed step):
+a row of >= 5 timed steps from runs too long for one device session (TRL's steps at 256k), on one
+kind of device and one set of versions, or it refuses.
 """
 
 from __future__ import annotations
@@ -21,6 +26,55 @@ def load(paths: list[str]) -> list[dict]:
     for p in paths:
         rows += json.loads(Path(p).read_text())
     return rows
+
+
+def combine(rows: list[dict]) -> list[dict]:
+    """``rows`` with the finished runs of each (system, setting, workload) pooled into one row:
+    throughputs are totals over every timed step (tokens / seconds), the step time the median of
+    every timed step's wall, the peak the largest, the reward curves one after another, and
+    ``extra.runs`` the runs it pooled (date, steps, step time). Runs on other devices or versions
+    are not pooled: a ValueError says which."""
+    import statistics
+
+    out: list[dict] = []
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r.get("status") == "ok" and r.get("steps"):
+            groups.setdefault((r["system"], r["setting"], r["workload"]), []).append(r)
+        else:
+            out.append(r)
+    for key, runs in groups.items():
+        if len(runs) == 1:
+            out.append(runs[0])
+            continue
+        for field in ("device", "versions"):
+            if len({json.dumps(r.get(field), sort_keys=True) for r in runs}) > 1:
+                raise ValueError(f"{':'.join(key)}: runs differ in {field}, not pooled: "
+                                 + "; ".join(json.dumps(r.get(field), sort_keys=True) for r in runs))
+        tokens = [r["steps"] * r["trained_tokens_per_step"] for r in runs]
+        walls_s = [t / r["trained_tokens_per_s_per_gpu"] for t, r in zip(tokens, runs)]  # one GPU a run
+        timed = [w for r in runs for w in r.get("extra", {}).get("step_walls_s", [])[-r["steps"]:]]
+        steps = sum(r["steps"] for r in runs)
+        syncs = [(r["weight_sync_s"], r["steps"]) for r in runs if r.get("weight_sync_s") is not None]
+        row = {**runs[0], "steps": steps, "trained_tokens_per_step": sum(tokens) / steps,
+               "trained_tokens_per_s_per_gpu": sum(tokens) / sum(walls_s),
+               "generated_tokens_per_s": sum((r.get("generated_tokens_per_s") or 0.0) * w
+                                             for r, w in zip(runs, walls_s)) / sum(walls_s),
+               "step_time_s": statistics.median(timed) if len(timed) == steps else runs[0]["step_time_s"],
+               "weight_sync_s": (sum(v * n for v, n in syncs) / sum(n for _, n in syncs)) if syncs else None,
+               "peak_gpu_gib": max((r.get("peak_gpu_gib") or 0.0) for r in runs),
+               "reward_curve": [x for r in runs for x in r.get("reward_curve", [])],
+               "date": " / ".join(dict.fromkeys(r.get("date", "?") for r in runs)),
+               "extra": {"runs": [{"date": r.get("date"), "steps": r["steps"], "step_time_s": r["step_time_s"],
+                                   "trained_tokens_per_s_per_gpu": r["trained_tokens_per_s_per_gpu"]}
+                                  for r in runs]}}
+        out.append(row)
+    return out
+
+
+def _steps(row: dict) -> str:
+    runs = row.get("extra", {}).get("runs")
+    return f"{row.get('steps', 0)}" + (f" ({len(runs)} runs)" if runs else "")
 
 
 def _f(x, fmt: str) -> str:
@@ -49,7 +103,7 @@ def table(rows: list[dict], markdown: bool = False) -> str:
                          f"{_f(best, '.2f')}×")
             reason = (r.get("reason") or "").strip().splitlines()
             status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(reason[-1] if reason else '')[-90:]}"
-            out.append([wl, r["system"], r["setting"], status, str(r.get("steps", 0)), _f(r.get("step_time_s"), ".1f"),
+            out.append([wl, r["system"], r["setting"], status, _steps(r), _f(r.get("step_time_s"), ".1f"),
                         _f(r.get("trained_tokens_per_s_per_gpu"), ",.0f"), _f(r.get("generated_tokens_per_s"), ",.0f"),
                         _f(r.get("weight_sync_s"), ".2f"), _f(r.get("peak_gpu_gib"), ".1f"), _f(r.get("gpu_busy"), ".2f"),
                         _f(r.get("episode_tokens"), ",.0f"),
@@ -66,8 +120,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("files", nargs="+")
     p.add_argument("--markdown", action="store_true")
+    p.add_argument("--combine", action="store_true", help="pool finished runs of one system, setting and workload")
     args = p.parse_args()
     rows = load(args.files)
+    if args.combine:
+        rows = combine(rows)
     meta = {(r.get("device"), r.get("date")) for r in rows}
     print(table(rows, args.markdown))
     print("\n" + "; ".join(f"{d} ({t})" for d, t in meta))
