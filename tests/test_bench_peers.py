@@ -496,8 +496,6 @@ def test_trl_sleep_setting_is_recommended_with_the_engine_asleep_while_training(
     assert kw["like"]["gradient_checkpointing"] is False and kw["recommended"]["gradient_checkpointing"] is True
     args.cpu = True  # the CPU check has no vLLM to put to sleep
     assert run_trl.config_kwargs(args, wl, "sleep", 1, wl.episode_tokens, 6)["vllm_enable_sleep_mode"] is False
-    with pytest.raises(SystemExit, match="unknown setting 'fast'"):
-        run_trl.config_kwargs(args, wl, "fast", 1, wl.episode_tokens, 6)
     monkeypatch.setattr("sys.argv", ["run_trl.py", "--workload", "long", "--settings", "recommended,fast",
                                      "--workdir", str(tmp_path)])
     with pytest.raises(SystemExit):
