@@ -435,6 +435,46 @@ def test_peer_model_serves_the_longest_fit_episode_and_keeps_its_weights_when_it
     assert [(f.stat().st_mtime_ns, f.read_bytes()) for f in sorted(out.glob("model*.safetensors"))] == before
 
 
+def test_runners_starting_at_once_make_the_model_one_after_the_other(tmp_path, monkeypatch):
+    """Two queues (one GPU each) may start runners at once on a fresh machine: make_model holds a lock
+    beside the model while it checks and makes it, so the second finds it made instead of writing the
+    same files at the same time."""
+    import threading
+    import time
+
+    from bench.peers import common
+
+    spans: list[tuple[float, float]] = []
+
+    def slow_make(out, shape, max_positions):
+        t0 = time.monotonic()
+        time.sleep(0.3)
+        spans.append((t0, time.monotonic()))
+        return str(out)
+
+    monkeypatch.setattr(common, "_make_model", slow_make)
+    threads = [threading.Thread(target=common.make_model, args=(tmp_path / "model", "cpu")) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spans.sort()
+    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # never two at once
+
+
+@pytest.mark.parametrize(("visible", "index"), [(None, 0), ("", 0), ("1", 1), ("1,0", 1), (" 3 , 2", 3)])
+def test_the_gpu_sampler_watches_the_gpu_the_runs_see(visible, index, monkeypatch):
+    """nvml_index: NVML numbers every GPU of the host whatever CUDA_VISIBLE_DEVICES says, so a queue on
+    GPU 1 (device.sh GPU=1) must sample NVML's GPU 1, not GPU 0 where the other queue runs."""
+    from bench.peers.common import nvml_index
+
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert nvml_index() == index
+
+
 def test_sigterm_becomes_a_keyboardinterrupt_a_runner_can_write_its_steps_from():
     """stop_on_sigterm (run_trl's main): timeout's SIGTERM interrupts the main thread as Ctrl-C
     would, instead of ending the process before it writes what it measured."""
@@ -532,3 +572,26 @@ def test_combine_pools_the_timed_steps_of_runs_of_one_row_and_refuses_other_devi
     assert "5 (2 runs)" in table(rows) and "4.20×" in table(rows)  # 300 / (5000 / 70)
     with pytest.raises(ValueError, match="differ in versions"):
         combine([a, run(2, 50.0, [1.0] * 3, "2026-12-01", {"trl": "1.17.0"})])
+
+
+def test_verl_run_stopped_by_its_timeout_is_cut_not_an_error(tmp_path, monkeypatch):
+    """run_verl's --timeout ends a verl still busy: status "cut" with the time and the steps done (as
+    the other runners' cut runs), not "error" with whatever verl printed last (an import warning of
+    the 2026-11-29 probe at 128k) as if it were the cause."""
+    import argparse
+
+    from bench.peers import run_verl
+
+    fake = tmp_path / "fake" / "verl" / "trainer"
+    fake.mkdir(parents=True)
+    for d in (fake.parent, fake):
+        (d / "__init__.py").write_text("")
+    (fake / "main_ppo.py").write_text(
+        "import time\nprint(\"UserWarning: automodel engine is not available: ModuleNotFoundError('x')\", flush=True)\n"
+        "time.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
+    monkeypatch.setattr(run_verl, "overrides", lambda *a, **k: [])
+    args = argparse.Namespace(workdir=str(tmp_path), timeout=3, warmup=1, steps=5)
+    res = run_verl.run_setting(args, workload("long16k"), "model", {}, "recommended")
+    assert res.status == "cut", (res.status, res.reason)
+    assert res.reason == "timed out after 3s, 0 of 6 steps done (warm-up included)", res.reason

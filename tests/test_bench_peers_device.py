@@ -158,3 +158,74 @@ def test_device_bg_queues_steps_detached_and_wait_hands_over_their_results(tmp_p
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", f"{tmp_path}/runners/run_agentrl.py"], capture_output=True, text=True)
     assert not left.stdout.strip(), f"runner left: {left.stdout}"
+
+
+def test_device_gpu_queues_run_side_by_side_and_wait_merges_their_results(tmp_path):
+    """GPU=N bash device.sh bg ...: one queue a GPU (a host of several), each run seeing its GPU alone
+    (CUDA_VISIBLE_DEVICES); a second queue on another GPU starts while the first runs, one on the same
+    GPU does not; `wait` waits for both, hands over their logs as gpuN-*.log and one peers.json of
+    both queues' results, and tags each queue's lines."""
+    import subprocess
+
+    extra = ("import os\n"
+             "time.sleep(3)\n"
+             "rows = json.load(open(a.out)) if os.path.exists(a.out) else []\n"
+             "rows.append({'system': 'agentrl', 'setting': a.settings, 'workload': a.workload, 'status': 'ok',\n"
+             "             'gpu_seen': os.environ.get('CUDA_VISIBLE_DEVICES')})\n"
+             "json.dump(rows, open(a.out, 'w'))\n")
+    work, env = _device_sh(tmp_path, runner_extra=extra)
+    sh = ["bash", "bench/peers/device.sh"]
+    p0 = subprocess.run([*sh, "bg", "agentrl:long16k:recommended"], cwd=work, env={**env, "GPU": "0"},
+                        capture_output=True, text=True, timeout=60)
+    assert p0.returncode == 0 and "on GPU 0, detached" in p0.stdout, p0.stdout + p0.stderr
+    p1 = subprocess.run([*sh, "bg", "agentrl:long24k:like"], cwd=work, env={**env, "GPU": "1"},
+                        capture_output=True, text=True, timeout=60)
+    assert p1.returncode == 0 and "on GPU 1, detached" in p1.stdout, p1.stdout + p1.stderr  # beside GPU 0's
+    same = subprocess.run([*sh, "bg", "agentrl:long16k:like"], cwd=work, env={**env, "GPU": "1"},
+                          capture_output=True, text=True, timeout=60)
+    assert same.returncode == 2 and "a detached run is on" in same.stdout  # one queue a GPU
+    every = subprocess.run([*sh, "bg", "agentrl:long16k:like"], cwd=work, env=env, capture_output=True, text=True,
+                           timeout=60)
+    assert every.returncode == 2 and "a detached run is on" in every.stdout  # an all-GPU queue waits for both
+    bad = subprocess.run([*sh, "bg", "agentrl:long16k:like"], cwd=work, env={**env, "GPU": "one"},
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "is not a GPU's index" in bad.stdout
+
+    done = subprocess.run([*sh, "wait"], cwd=work, env={**env, "WAIT_S": "60"}, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[gpu0] peers: the queue is done: agentrl:long16k:recommended" in done.stdout, done.stdout
+    assert "[gpu1] peers: the queue is done: agentrl:long24k:like" in done.stdout, done.stdout
+    assert "[gpu1] RESULT" in done.stdout
+    out = tmp_path / "out"
+    assert (out / "gpu0-agentrl-long16k.log").is_file() and (out / "gpu1-agentrl-long24k.log").is_file()
+    rows = json.loads((out / "peers.json").read_text())
+    assert sorted((r["workload"], r["gpu_seen"]) for r in rows) == [("long16k", "0"), ("long24k", "1")]
+
+
+def test_device_gpu_queue_ends_only_the_leftovers_its_own_runs_started(tmp_path):
+    """A GPU's queue kills the Ray and vLLM processes a run left behind only where they carry its tag
+    (PEERS_TAG=gpuN, inherited from the run): the other GPU's run, and this machine's own Ray
+    processes (no tag), live on."""
+    import os
+    import subprocess
+    import time
+
+    work, env = _device_sh(tmp_path)
+    # stand-ins named as Ray's daemons are (pkill -f matches the command line): one a GPU, one untagged
+    procs = {tag: subprocess.Popen(["bash", "-c", f"exec -a peers_test_raylet_{tag or 'none'} sleep 120"],
+                                   env={**os.environ, **({"PEERS_TAG": tag} if tag else {})})
+             for tag in ("gpu0", "gpu1", "")}
+    try:
+        time.sleep(0.5)
+        proc = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:recommended"], cwd=work,
+                              env={**env, "GPU": "1", "PEERS_KILL_LEFTOVERS": "1"}, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        time.sleep(0.5)
+        assert procs["gpu1"].poll() is not None  # its own leftover: gone
+        assert procs["gpu0"].poll() is None and procs[""].poll() is None  # the other GPU's, the machine's: alive
+    finally:
+        for p in procs.values():
+            p.kill()
+            p.wait()

@@ -149,10 +149,23 @@ def make_model(out: Path, shape: str = "1.5b", max_position_embeddings: int = MA
     On a GPU the weights are made in a child process: a CUDA context made here would stay in the
     runner's process for the whole run (~0.6 GiB on an H200, counted in the run's peak memory).
     A model made before with another ``max_position_embeddings`` gets the new one in its config
-    (its weights stay: they are the same)."""
+    (its weights stay: they are the same). Runners of two queues (one GPU each, device.sh ``GPU=N``)
+    may start at once on a fresh machine: a lock file beside ``out`` lets one make it and the other
+    find it made."""
+    out = Path(out)
+    if os.environ.get("AGENTRL_PEERS_MAKE_MODEL_HERE"):  # the child a locked call below started
+        return _make_model(out, shape, max_position_embeddings)
+    import fcntl
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        return _make_model(out, shape, max_position_embeddings)
+
+
+def _make_model(out: Path, shape: str, max_position_embeddings: int) -> str:
     import torch
 
-    out = Path(out)
     if (out / "config.json").is_file() and (out / "peer_shape.txt").is_file() \
             and (out / "peer_shape.txt").read_text() == shape:
         config = json.loads((out / "config.json").read_text())
@@ -279,7 +292,7 @@ class GpuSampler:
             import pynvml
 
             pynvml.nvmlInit()
-            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(0)
+            self._nvml, self._handle = pynvml, pynvml.nvmlDeviceGetHandleByIndex(nvml_index())
         except Exception:  # CPU checks of the harness: nothing to sample
             self._nvml = None
 
@@ -410,13 +423,39 @@ def _nvml_gpu_count() -> int:
         return 0
 
 
+def nvml_index(visible: str | None = None) -> int:
+    """NVML's number of the GPU the runner's systems use (CUDA's device 0): the first entry of
+    ``CUDA_VISIBLE_DEVICES`` (``visible``; NVML numbers every GPU of the host whatever it says), an
+    index or a ``GPU-...`` UUID; 0 where it is unset. On a host of several GPUs device.sh gives each
+    queue one GPU this way (``GPU=1``), and the sampler must watch that GPU, not GPU 0 where another
+    queue's run may be. CUDA and NVML agree on the order where CUDA_DEVICE_ORDER is PCI_BUS_ID and, for
+    GPUs of one model (CUDA's default order ranks by speed, then bus), without it."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "") if visible is None else visible
+    first = visible.split(",")[0].strip()
+    if not first:
+        return 0
+    if first.isdigit():
+        return int(first)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+            if (uuid.decode() if isinstance(uuid, bytes) else str(uuid)).startswith(first):
+                return i
+    except Exception:  # noqa: BLE001 - no NVML: nothing to look the UUID up in
+        return 0
+    raise ValueError(f"CUDA_VISIBLE_DEVICES={visible!r}: no GPU of this host has the UUID {first!r}")
+
+
 def device_name() -> str:
     """The GPU's name (through NVML: no CUDA context in the runner's process), else the CPU."""
     try:
         import pynvml
 
         if _nvml_gpu_count() > 0:
-            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+            name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(nvml_index()))
             return name.decode() if isinstance(name, bytes) else str(name)
     except Exception:  # noqa: BLE001 - no NVML: the CPU below
         pass
@@ -509,6 +548,8 @@ def close_result(res: Result, sampler: Any, busy_from: float | None, wanted_step
     # where a run's time goes beside its steps (making the model and texts, the engine's start,
     # compiles): what a device call must leave room for
     res.extra["runner_s"] = round(time.monotonic() - _STARTED, 1)
+    if (gpus := _nvml_gpu_count()) > 1:  # which GPU of a host of several (device.sh GPU=N: one queue each)
+        res.extra["gpu"] = {"nvml_index": nvml_index(), "host_gpus": gpus}
     if res.extra.get("step_walls_s"):
         res.extra["outside_steps_s"] = round(res.extra["runner_s"] - sum(res.extra["step_walls_s"]), 1)
     if res.status == "ok" and res.steps < wanted_steps:

@@ -31,6 +31,14 @@
 #   bash bench/peers/device.sh wait     # each within 30 s of the last call, until it prints "done"
 # `wait` copies the queue's logs and peers.json to $OUT and prints what it printed since the last `wait`;
 # `stop` ends a detached queue or run (its processes and any Ray and vLLM leftovers).
+# GPU=N (a host of several GPUs): this call's steps and its queue use GPU N alone (CUDA_VISIBLE_DEVICES),
+# so two queues run side by side, one a GPU, e.g. on nvidia-h200-x2:
+#   GPU=0 bash bench/peers/device.sh bg trl:long256k:sleep:g2p1w1s3; GPU=1 bash bench/peers/device.sh bg agentrl:long256k:recommended:g2p1w1s5
+#   bash bench/peers/device.sh wait     # waits for every queue; their logs come back as gpuN-SYSTEM-WORKLOAD.log
+# A GPU's queue ends only the Ray and vLLM processes its own runs started (they inherit PEERS_TAG=gpuN);
+# the two runs share the host's cores and memory (each result's extra.gpu says which GPU of how many).
+# Systems on Ray (agentrl, verl) never share the host at once: give them the same GPU's queue, or pair
+# each with TRL (no Ray).
 # `tests:FILE[,FILE...]` runs pytest on them (TESTS_TIMEOUT s, default 300) into $OUT/tests.log.
 # `attention` runs bench/attention.py (ATT_LENGTHS, default 32768,65536,131072; ATT_TIMEOUT s, default 300; ATT_ARGS)
 # into $OUT/attention.json: FlexAttention vs SDPA's kernels on one long document, the learner's choice.
@@ -39,23 +47,45 @@ source bench/device_env.sh peers  # carry check, import links, environment, $OUT
 rc=0
 runners=${PEERS_RUNNERS:-bench/peers}  # where run_<system>.py live (tests put stand-ins here)
 bg=${PEERS_BG_DIR:-/tmp/peers/bg}     # one detached run (start:)
-q=${PEERS_QUEUE_DIR:-/tmp/peers/q}    # a detached queue of steps (bg)
+qbase=${PEERS_QUEUE_DIR:-/tmp/peers/q}  # a detached queue of steps (bg); one a GPU with GPU=N: $qbase-gpuN
+gpu=${GPU:-}
+[[ -z $gpu || $gpu =~ ^[0-9]+$ ]] || { echo "peers: GPU='$gpu' is not a GPU's index"; exit 2; }
+if [ -n "$gpu" ]; then
+  export CUDA_VISIBLE_DEVICES=$gpu PEERS_TAG=gpu$gpu  # the runs' processes inherit the tag (kill_leftovers)
+  q=$qbase-gpu$gpu
+else
+  q=$qbase
+fi
 steps=(); queued=(); to_bg=0          # the steps before `bg` run here, those after it detached
 for a in "$@"; do
   if [ $to_bg = 1 ]; then queued+=("$a"); elif [ "$a" = bg ]; then to_bg=1; else steps+=("$a"); fi
 done
 what_runs() { cat "$1/step" 2>/dev/null || cat "$1/steps"; }  # a detached run's step or a queue's steps
 running() { [ -f "$1/pid" ] && kill -0 "$(cat "$1/pid")" 2>/dev/null; }
-detached_running() {  # prints what a detached run or queue still runs; false when none does
+queues() {  # the queues this call may touch: its GPU's and the all-GPU one, or, without GPU, every one
   local d
-  for d in "$bg" "$q"; do running "$d" && { what_runs "$d"; return 0; }; done
+  for d in "$qbase" "$qbase"-gpu*; do
+    [ -d "$d" ] || continue
+    [ -z "$gpu" ] || [ "$d" = "$qbase" ] || [ "$d" = "$q" ] && echo "$d"
+  done
+}
+detached_running() {  # prints what a detached run or queue this call may touch still runs; false when none does
+  local d
+  for d in "$bg" $(queues); do running "$d" && { what_runs "$d"; return 0; }; done
   return 1
 }
 tree() { local c; echo "$1"; for c in $(pgrep -P "$1"); do tree "$c"; done; }  # a process and its descendants
+tagged() { tr '\0' '\n' < "/proc/$1/environ" 2>/dev/null | grep -qx "PEERS_TAG=$PEERS_TAG"; }
 kill_leftovers() {
-  if [ "${PEERS_KILL_LEFTOVERS:-1}" = 1 ]; then
-    for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do pkill -9 -f "$pat" 2>/dev/null; done
-  fi
+  [ "${PEERS_KILL_LEFTOVERS:-1}" = 1 ] || return 0
+  local pat pid
+  for pat in '[E]ngineCore' '[r]ay::' '[r]aylet' '[g]cs_server'; do
+    if [ -n "${PEERS_TAG:-}" ]; then  # one GPU's queue: what its own runs started, not the other GPU's
+      for pid in $(pgrep -f "$pat"); do tagged "$pid" && kill -9 "$pid" 2>/dev/null; done
+    else
+      pkill -9 -f "$pat" 2>/dev/null
+    fi
+  done
 }
 
 run_step() {  # SYSTEM WORKLOAD SETTINGS [extra runner args]: one run step; returns the runner's status
@@ -128,18 +158,35 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
       for _ in 1 2 3 4 5 6 7 8 9 10; do [ -s $bg/pid ] && break; sleep 0.5; done
       [ -s $bg/pid ] || { echo "peers: the detached run did not start"; exit 1; } ;;
     wait)
-      if [ -f $q/pid ]; then  # a queue (bg): wait, then hand over what it wrote so far
-        pid=$(cat $q/pid); t0=$SECONDS
-        while kill -0 "$pid" 2>/dev/null && [ $((SECONDS - t0)) -lt "${WAIT_S:-550}" ]; do sleep 5; done
-        cp -r "$q/out/." "$OUT/"
-        shown=$(cat $q/shown 2>/dev/null || echo 0)
-        tail -n +$((shown + 1)) $q/run.log | grep "^== \|^RESULT\|^fit: \|^peers: \|exited\| passed\| failed" | cut -c1-400
-        wc -l < $q/run.log > $q/shown
-        if kill -0 "$pid" 2>/dev/null; then
-          echo "peers: the queue still runs ($(grep '^== ' $q/run.log | tail -1)) after $((SECONDS - t0)) s of this call: call 'wait' again within 30 s"; rc=4
-        else
-          echo "peers: the queue is done: $(cat $q/steps)"
-        fi
+      waited=(); for d in $(queues); do [ -f "$d/pid" ] && waited+=("$d"); done
+      if [ ${#waited[@]} -gt 0 ]; then  # queues (bg): wait for all, then hand over what they wrote so far
+        t0=$SECONDS
+        while [ $((SECONDS - t0)) -lt "${WAIT_S:-550}" ]; do
+          on=0; for d in "${waited[@]}"; do running "$d" && on=1; done
+          [ $on = 1 ] || break; sleep 5
+        done
+        jsons=()
+        for d in "${waited[@]}"; do
+          name=${d##*/}; pre=""; tag=""
+          [ "$d" = "$qbase" ] || { pre="${name##*-}-"; tag="[${name##*-}] "; }  # gpuN- before a GPU queue's files
+          for f in "$d/out/"*; do
+            [ -e "$f" ] || continue
+            if [ "${f##*/}" = peers.json ]; then jsons+=("$f"); else cp -r "$f" "$OUT/$pre${f##*/}"; fi
+          done
+          shown=$(cat "$d/shown" 2>/dev/null || echo 0)
+          tail -n +$((shown + 1)) "$d/run.log" | grep "^== \|^RESULT\|^fit: \|^peers: \|exited\| passed\| failed" \
+            | cut -c1-400 | sed "s/^/$tag/"
+          wc -l < "$d/run.log" > "$d/shown"
+          if running "$d"; then
+            echo "${tag}peers: the queue still runs ($(grep '^== ' "$d/run.log" | tail -1)) after $((SECONDS - t0)) s of this call: call 'wait' again within 30 s"; rc=4
+          else
+            echo "${tag}peers: the queue is done: $(cat "$d/steps")"
+          fi
+        done
+        # every queue's results in one peers.json (the table below reads it)
+        [ ${#jsons[@]} -gt 0 ] && python3 -c 'import json, sys
+rows = [r for f in sys.argv[2:] for r in json.load(open(f))]
+json.dump(rows, open(sys.argv[1], "w"), indent=2)' "$OUT/peers.json" "${jsons[@]}"
         continue
       fi
       [ -f $bg/pid ] || { echo "peers: no detached run (start:SYSTEM:WORKLOAD:SETTING or bg first)"; exit 2; }
@@ -168,7 +215,7 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
         > "$OUT/tests.log" 2>&1 || { echo "tests exited $?"; rc=1; }
       tail -5 "$OUT/tests.log" ;;
     stop)
-      for d in "$bg" "$q"; do
+      for d in "$bg" $(queues); do
         if running "$d"; then
           # the whole tree, not the process group: `timeout` puts each run in a group of its own
           kill -9 $(tree "$(cat "$d/pid")") 2>/dev/null; echo "peers: stopped $(what_runs "$d")"
@@ -181,8 +228,10 @@ done
 if [ $to_bg = 1 ]; then
   if on=$(detached_running); then echo "peers: a detached run is on: $on"; exit 2; fi
   [ ${#queued[@]} -gt 0 ] || { echo "peers: nothing after bg"; exit 2; }
+  # a finished queue of the other kind (all GPUs / one GPU) would be waited for and merged again: gone
+  if [ -n "$gpu" ]; then rm -rf "$qbase"; else rm -rf "$qbase"-gpu*; fi
   rm -rf "$q"; mkdir -p "$q/out"; rm -f "$bg/pid"; echo "${queued[*]}" > "$q/steps"
-  echo "== bg ($(date +%T)), detached: ${queued[*]}"
+  echo "== bg ($(date +%T))${gpu:+ on GPU $gpu}, detached: ${queued[*]}"
   # the queue's shell writes its own pid (setsid may fork); `stop` ends it and everything under it
   OUT=$q/out setsid nohup bash -c 'echo $$ > "$0/pid"; exec bash bench/peers/device.sh "$@"' "$q" "${queued[@]}" \
     > "$q/run.log" 2>&1 < /dev/null &

@@ -372,7 +372,10 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
         oom = "out of memory" in text.lower() or "OutOfMemoryError" in text
         why = f"timed out after {args.timeout}s" if rc is None else f"exit {rc}"
         err = [ln for ln in tail if "Error" in ln or "error:" in ln][-3:]
-        res.status, res.reason = ("oom" if oom else "error"), f"{why}: {''.join(err)[-600:]}"
+        # a run its --timeout stopped is "cut" (as the other runners' are), not an error of verl's:
+        # its last lines are then whatever verl was printing (import warnings, say), not a cause
+        res.status = "oom" if oom else ("cut" if rc is None else "error")
+        res.reason = f"{why}: {''.join(err)[-600:]}" if res.status != "cut" else why
     rows = [json.loads(ln)["data"] for ln in log_file.read_text().splitlines() if ln.strip()] if log_file.is_file() else []
     rows = [r for r in rows if "timing_s/step" in r]
     if rows:
@@ -399,6 +402,8 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
             res.extra[key] = [r.get(key) for r in rows]
         if len(st) == len(rows) and len(st) > args.warmup:
             busy_from = st[args.warmup - 1]
+    if res.status == "cut":
+        res.reason += f", {len(rows)} of {args.warmup + args.steps} steps done (warm-up included)"
     return close_result(res, sampler, busy_from, args.steps)
 
 
