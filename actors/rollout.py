@@ -75,6 +75,9 @@ class RolloutActor(AsyncDiag):
         ``owner``: the name its replay slots are held under (the driver gives them back if this
         actor dies); ``first_task``: a replacement actor starts its task seeds past its
         predecessor's, so no task is generated twice."""
+        import time
+
+        self.init_began_at = time.time()  # the wall clock: the trainer builds these while engines start
         import gymnasium as gym
         from transformers import AutoTokenizer
 
@@ -258,6 +261,10 @@ class RolloutActor(AsyncDiag):
 
     def node_id(self) -> str:
         return ray.get_runtime_context().get_node_id()
+
+    def init_began(self) -> float:
+        """When this actor's construction began (``time.time()``)."""
+        return self.init_began_at
 
     def stats(self) -> dict[str, float]:
         return {

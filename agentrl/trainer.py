@@ -103,8 +103,7 @@ class Trainer(Supervision, WeightSync):
         self.progress = progress
         self.run_dir = Path(cfg.run_dir)
         self.ckpt_dir = Path(cfg.train.checkpoint_dir or self.run_dir / "checkpoints")
-        self.step = 0
-        self.version = 0
+        self.step = self.version = 0
         self.actors_started = False
         self.engines_unavailable_at_refit = 0
         self._refit_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentrl-refit")
@@ -121,16 +120,14 @@ class Trainer(Supervision, WeightSync):
         self.rollouts: list[Any] = []
         self.runs: list[Any] = []  # each rollout actor's run() call
         self.rollout_generation: list[int] = []  # replacements of each rollout actor so far
-        self.num_rollout_restarts = 0
-        self.num_engine_restarts = 0
-        self.num_refit_retries = 0
-        self.num_abandoned_groups = 0
+        self.num_rollout_restarts = self.num_engine_restarts = self.num_refit_retries = self.num_abandoned_groups = 0
         self.num_engine_catch_ups = 0  # restarted engines given the current weights by the driver
         self.engines_version = 0  # the weights version every engine serves (the last refit's)
         self._engine_pings: dict[int, tuple[Any, int]] = {}  # _check_engines: (ping, engines_version when sent)
         self._progress_counts: tuple[float, float] | None = None  # _progress: (put, dropped stale) last look
         self._fresh_looks = 0
         self.engine_start_s: float | None = None  # how long the engines took to start (a restart's grace)
+        self.engines_up_at: float | None = None  # time.time() then
         self.start_s: dict[str, float] = {}  # start(): seconds each part of the start-up took
 
     # -- actors -----------------------------------------------------------------------------------
@@ -191,13 +188,18 @@ class Trainer(Supervision, WeightSync):
                      vocab_limit=tokenizer_vocab_limit(self.model_path, cfg.model.tokenizer_vocab_only))
             for i in range(cfg.engine.num_engines)
         ]
+        # Rollout actors need no GPU and nothing the engines or learner make: their start (a process,
+        # tokenizer, tool parser, env check: 18 s at 384k) overlaps the engines'. Distillation: later.
+        self.rollout_generation = [0] * cfg.rollout.num_actors
+        self.rollouts = [] if cfg.distill.enabled else [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
         took("replay_and_placement")
         if co.enabled:
             # vLLM sizes its KV cache from the memory it sees at start: engines first, then the
             # learner (while sleeping engines hold only their CUDA context), then the engines wake.
             t_engines = time.perf_counter()
             ray.get([e.start.remote() for e in self.engines])
-            self.engine_start_s = time.perf_counter() - t_engines  # a restart's grace (else watchdog.first_s)
+            # a restart's grace (else watchdog.first_s); when they were up
+            self.engine_start_s, self.engines_up_at = time.perf_counter() - t_engines, time.time()
             took("engines")
             if self.sleeping_engines:
                 ray.get([e.sleep.remote(1) for e in self.engines])
@@ -212,7 +214,7 @@ class Trainer(Supervision, WeightSync):
             self.learner = LearnerGroup(cfg, self.model_path)
             t_engines = time.perf_counter()
             self._start_engines()
-            self.engine_start_s = time.perf_counter() - t_engines
+            self.engine_start_s, self.engines_up_at = time.perf_counter() - t_engines, time.time()
             took("engines")  # the learner builds meanwhile, in its own processes
         if cfg.distill.enabled:
             self.teachers = self._start_teachers(EngineActor)
@@ -229,10 +231,9 @@ class Trainer(Supervision, WeightSync):
             # (Served merged, the engines start on the base, which a fresh adapter merges to.)
             self.refit()
             took("refit")
-        self.rollout_generation = [0] * cfg.rollout.num_actors
-        self.rollouts = [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]
+        self.rollouts = self.rollouts or [self._make_rollout(i) for i in range(cfg.rollout.num_actors)]  # teachers'
         ray.get([r.node_id.remote() for r in self.rollouts])  # constructed (tokenizer, env checked)
-        took("rollouts")
+        took("rollouts")  # what is left of their start once the engines and the learner are up
         self.actors_started = True
         from agentrl.actors.watchdog import Watchdog
 

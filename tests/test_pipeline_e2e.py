@@ -288,12 +288,16 @@ def test_broadcast_refit_transport_on_cpu(tiny_model_dir, tmp_path):
     import ray
 
     r = train_and_score(cfg, lambda t: {"start_s": dict(t.start_s),
-                                        "timeline": ray.get(t.learner.start_timeline.remote())})
+                                        "timeline": ray.get(t.learner.start_timeline.remote()),
+                                        "rollout_began": ray.get(t.rollouts[0].init_began.remote()),
+                                        "engines_up": t.engines_up_at})
     assert r["transport"] == "nccl" and r["engine_version"] == r["version"] == 2
     # where the start-up went, part by part (the weight group: this transport's own part)
     assert list(r["start_s"]) == ["ray", "replay_and_placement", "engines", "weight_group", "rollouts"]
     assert all(v >= 0 for v in r["start_s"].values()) and r["start_s"]["engines"] > 0
     assert r["timeline"]["built"] > 0  # the learner actor's build, from its start
+    # the rollout actors are built while the engines start, not after (no GPU, nothing of theirs needed)
+    assert r["rollout_began"] < r["engines_up"], (r["rollout_began"], r["engines_up"])
     assert mean_abs_diff(r["before"], r["after"]) > 1e-3, "the broadcast refit did not change the engine's logprobs"
     agree = mean_abs_diff(r["learner"], r["after"])
     assert agree < 1e-3, f"engine and learner logprobs differ after a broadcast refit (mean abs {agree:.2e})"
