@@ -143,6 +143,12 @@ def test_table_prints_ratios_against_agentrl_and_the_reason_of_a_failed_run(tmp_
     assert "oom: CUDA out of memory" in text
     md = table(rows, markdown=True)
     assert md.splitlines()[0].startswith("| workload |") and md.count("\n") == 5
+    # a run on one GPU of a host of several (device.sh GPU=N) says which: another may have run beside it
+    beside = mk("trl", "sleep", 800.0, extra={"gpu": {"nvml_index": 1, "host_gpus": 2}})
+    from dataclasses import asdict
+
+    line = next(ln for ln in table([*rows, asdict(beside)]).splitlines() if " sleep " in ln)
+    assert "sleep (GPU 1 of 2)" in line and "3.75×, 1.88×" in line, line  # agentrl's settings over this row
 
 
 class _Recorder:

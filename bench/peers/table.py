@@ -66,7 +66,8 @@ def combine(rows: list[dict]) -> list[dict]:
                "reward_curve": [x for r in runs for x in r.get("reward_curve", [])],
                "date": " / ".join(dict.fromkeys(r.get("date", "?") for r in runs)),
                "extra": {"runs": [{"date": r.get("date"), "steps": r["steps"], "step_time_s": r["step_time_s"],
-                                   "trained_tokens_per_s_per_gpu": r["trained_tokens_per_s_per_gpu"]}
+                                   "trained_tokens_per_s_per_gpu": r["trained_tokens_per_s_per_gpu"],
+                                   **({"gpu": r["extra"]["gpu"]} if "gpu" in r.get("extra", {}) else {})}
                                   for r in runs]}}
         out.append(row)
     return out
@@ -75,6 +76,13 @@ def combine(rows: list[dict]) -> list[dict]:
 def _steps(row: dict) -> str:
     runs = row.get("extra", {}).get("runs")
     return f"{row.get('steps', 0)}" + (f" ({len(runs)} runs)" if runs else "")
+
+
+def _setting(row: dict) -> str:
+    """The setting, and the GPU of a run on a host of several (device.sh GPU=N: another run may have
+    shared the host's cores and memory meanwhile)."""
+    gpu = row.get("extra", {}).get("gpu")
+    return row["setting"] + (f" (GPU {gpu['nvml_index']} of {gpu['host_gpus']})" if gpu else "")
 
 
 def _f(x, fmt: str) -> str:
@@ -103,7 +111,7 @@ def table(rows: list[dict], markdown: bool = False) -> str:
                          f"{_f(best, '.2f')}×")
             reason = (r.get("reason") or "").strip().splitlines()
             status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(reason[-1] if reason else '')[-90:]}"
-            out.append([wl, r["system"], r["setting"], status, _steps(r), _f(r.get("step_time_s"), ".1f"),
+            out.append([wl, r["system"], _setting(r), status, _steps(r), _f(r.get("step_time_s"), ".1f"),
                         _f(r.get("trained_tokens_per_s_per_gpu"), ",.0f"), _f(r.get("generated_tokens_per_s"), ",.0f"),
                         _f(r.get("weight_sync_s"), ".2f"), _f(r.get("peak_gpu_gib"), ".1f"), _f(r.get("gpu_busy"), ".2f"),
                         _f(r.get("episode_tokens"), ",.0f"),
