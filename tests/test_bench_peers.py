@@ -140,7 +140,11 @@ def test_table_prints_ratios_against_agentrl_and_the_reason_of_a_failed_run(tmp_
     text = table(rows)
     trl_row = next(line for line in text.splitlines() if line.startswith("multi") and " trl " in line and "ok" in line)
     assert "3.00×, 1.50×" in trl_row
-    assert "oom: CUDA out of memory" in text
+    assert "oom: asked 9 GiB" in text  # CUDA's message: what was asked (and free), not its last words
+    long = "OutOfMemoryError: CUDA out of memory. Tried to allocate 6.56 GiB. GPU 0 has a total capacity of 139.80 GiB " \
+           "of which 6.07 GiB is free. See https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory"
+    assert "oom: asked 6.56 GiB, 6.07 GiB free" in table([{**rows[3], "reason": long}])
+    assert "error: exit 1: KeyError: 'x'" in table([{**rows[3], "status": "error", "reason": "log\nexit 1: KeyError: 'x'"}])
     md = table(rows, markdown=True)
     assert md.splitlines()[0].startswith("| workload |") and md.count("\n") == 5
     # a run on one GPU of a host of several (device.sh GPU=N) says which: another may have run beside it

@@ -78,6 +78,19 @@ def _steps(row: dict) -> str:
     return f"{row.get('steps', 0)}" + (f" ({len(runs)} runs)" if runs else "")
 
 
+def _why(reason: str) -> str:
+    """A failed run's reason in a table cell: for CUDA's out-of-memory message, what was asked and
+    what was free (its last line's tail is a documentation link); else its last line's tail."""
+    import re
+
+    asked = re.search(r"Tried to allocate ([\d.]+ [GMK]iB)", reason)
+    free = re.search(r"of which ([\d.]+ [GMK]iB) is free", reason)
+    if asked or free:
+        return ", ".join([*([f"asked {asked[1]}"] if asked else []), *([f"{free[1]} free"] if free else [])])
+    lines = reason.strip().splitlines()
+    return (lines[-1] if lines else "")[-90:]
+
+
 def _setting(row: dict) -> str:
     """The setting, and the GPU of a run on a host of several (device.sh GPU=N: another run may have
     shared the host's cores and memory meanwhile)."""
@@ -109,8 +122,7 @@ def table(rows: list[dict], markdown: bool = False) -> str:
                 best = best_mine / best_peer if best_mine and _tput(r) == best_peer else None
                 ratio = (f"{_f(rec and rec / _tput(r), '.2f')}×, {_f(like and like / _tput(r), '.2f')}×, "
                          f"{_f(best, '.2f')}×")
-            reason = (r.get("reason") or "").strip().splitlines()
-            status = r["status"] if r["status"] == "ok" else f"{r['status']}: {(reason[-1] if reason else '')[-90:]}"
+            status = r["status"] if r["status"] == "ok" else f"{r['status']}: {_why(r.get('reason') or '')}"
             out.append([wl, r["system"], _setting(r), status, _steps(r), _f(r.get("step_time_s"), ".1f"),
                         _f(r.get("trained_tokens_per_s_per_gpu"), ",.0f"), _f(r.get("generated_tokens_per_s"), ",.0f"),
                         _f(r.get("weight_sync_s"), ".2f"), _f(r.get("peak_gpu_gib"), ".1f"), _f(r.get("gpu_busy"), ".2f"),
