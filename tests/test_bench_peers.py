@@ -5,6 +5,7 @@ checked here through a real episode loop."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import types
 
@@ -469,7 +470,7 @@ def test_runners_starting_at_once_make_the_model_one_after_the_other(tmp_path, m
     for t in threads:
         t.join()
     spans.sort()
-    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in zip(spans, spans[1:])), spans  # never two at once
+    assert len(spans) == 3 and all(a[1] <= b[0] for a, b in itertools.pairwise(spans)), spans  # never two at once
 
 
 @pytest.mark.parametrize(("visible", "index"), [(None, 0), ("", 0), ("1", 1), ("1,0", 1), (" 3 , 2", 3)])
