@@ -470,7 +470,9 @@ def write_result(res: Result, out: Path) -> None:
     rows = json.loads(out.read_text()) if out.is_file() else []
     rows.append(asdict(res))
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(rows, indent=2))
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")  # whole or not at all: device.sh's `wait` may read it now
+    tmp.write_text(json.dumps(rows, indent=2))
+    tmp.replace(out)
     print("RESULT " + json.dumps(asdict(res)), flush=True)
 
 

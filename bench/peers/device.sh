@@ -185,7 +185,12 @@ print('verl', verl.__version__, 'transformers', transformers.__version__, 'token
         done
         # every queue's results in one peers.json (the table below reads it)
         [ ${#jsons[@]} -gt 0 ] && python3 -c 'import json, sys
-rows = [r for f in sys.argv[2:] for r in json.load(open(f))]
+rows = []
+for f in sys.argv[2:]:
+    try:
+        rows += json.load(open(f))
+    except (OSError, ValueError) as e:  # a queue of an older harness that wrote it in place, say
+        print(f"peers: {f} not read ({e}): call wait again")
 json.dump(rows, open(sys.argv[1], "w"), indent=2)' "$OUT/peers.json" "${jsons[@]}"
         continue
       fi
