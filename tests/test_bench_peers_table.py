@@ -1,0 +1,69 @@
+"""bench/peers/table.py: the table prints what the runs measured (ratios against agentrl, a failed
+run's reason, the GPU of a run beside another) and --combine pools runs of one row honestly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.peers.common import Result, write_result
+from bench.peers.table import table
+
+
+def test_table_prints_ratios_against_agentrl_and_the_reason_of_a_failed_run(tmp_path):
+    out = tmp_path / "peers.json"
+    mk = lambda system, setting, tput, **kw: Result(system=system, setting=setting, workload="multi",
+                                                    steps=5, trained_tokens_per_s_per_gpu=tput,
+                                                    reward_curve=[0.01, 0.05], **kw)
+    for r in [mk("agentrl", "recommended", 3000.0), mk("agentrl", "like", 1500.0), mk("trl", "recommended", 1000.0),
+              mk("trl", "like", None, status="oom", reason="CUDA out of memory. Tried to allocate 9 GiB")]:
+        write_result(r, out)
+    rows = json.loads(out.read_text())
+    assert [r["system"] for r in rows] == ["agentrl", "agentrl", "trl", "trl"]
+    text = table(rows)
+    trl_row = next(line for line in text.splitlines() if line.startswith("multi") and " trl " in line and "ok" in line)
+    assert "3.00×, 1.50×" in trl_row
+    assert "oom: asked 9 GiB" in text  # CUDA's message: what was asked (and free), not its last words
+    long = "OutOfMemoryError: CUDA out of memory. Tried to allocate 6.56 GiB. GPU 0 has a total capacity of 139.80 GiB " \
+           "of which 6.07 GiB is free. See https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory"
+    assert "oom: asked 6.56 GiB, 6.07 GiB free" in table([{**rows[3], "reason": long}])
+    assert "error: exit 1: KeyError: 'x'" in table([{**rows[3], "status": "error", "reason": "log\nexit 1: KeyError: 'x'"}])
+    md = table(rows, markdown=True)
+    assert md.splitlines()[0].startswith("| workload |") and md.count("\n") == 5
+    # a run on one GPU of a host of several (device.sh GPU=N) says which: another may have run beside it
+    beside = mk("trl", "sleep", 800.0, extra={"gpu": {"nvml_index": 1, "host_gpus": 2}})
+    from dataclasses import asdict
+
+    line = next(ln for ln in table([*rows, asdict(beside)]).splitlines() if " sleep " in ln)
+    assert "sleep (GPU 1 of 2)" in line and "3.75×, 1.88×" in line, line  # agentrl's settings over this row
+
+
+def test_combine_pools_the_timed_steps_of_runs_of_one_row_and_refuses_other_devices():
+    """table.py --combine: two runs of one system, setting and workload (3 and 2 timed steps, each
+    after its own warm-up) become one row of 5 whose throughput is their tokens over their seconds,
+    not the mean of their rates; a failed run and other rows pass through; other versions refuse."""
+    from bench.peers.table import combine
+
+    def run(steps, tok_s, walls, date, versions=None):
+        tpp = 1000.0
+        return {"system": "trl", "setting": "sleep", "workload": "long256k-g2p1", "status": "ok", "steps": steps,
+                "trained_tokens_per_step": tpp, "trained_tokens_per_s_per_gpu": tok_s, "step_time_s": 10.0,
+                "generated_tokens_per_s": 2.0, "weight_sync_s": 0.1 * steps, "peak_gpu_gib": 100.0 + steps,
+                "reward_curve": [0.1] * (steps + 1), "device": "NVIDIA H200", "date": date,
+                "versions": versions or {"trl": "1.16.0"}, "extra": {"step_walls_s": walls}}
+
+    a = run(3, 100.0, [12.0, 10.0, 10.0, 10.0], "2026-11-30")  # 3,000 tokens in 30 s
+    b = run(2, 50.0, [25.0, 20.0, 20.0], "2026-12-01")  # 2,000 tokens in 40 s
+    failed = {**run(1, 1.0, [1.0], "2026-12-01"), "status": "oom", "steps": 0}
+    mine = {**run(5, 300.0, [1.0] * 6, "2026-12-01"), "system": "agentrl", "setting": "recommended"}
+    rows = combine([a, failed, b, mine])
+    (pooled,) = [r for r in rows if r["system"] == "trl" and r["status"] == "ok"]
+    assert pooled["steps"] == 5 and pooled["trained_tokens_per_s_per_gpu"] == pytest.approx(5000 / 70)
+    assert pooled["step_time_s"] == 10.0  # the median of 10, 10, 10, 20, 20: the warm-ups left out
+    assert pooled["weight_sync_s"] == pytest.approx((0.3 * 3 + 0.2 * 2) / 5) and pooled["peak_gpu_gib"] == 103.0
+    assert pooled["date"] == "2026-11-30 / 2026-12-01" and len(pooled["extra"]["runs"]) == 2
+    assert failed in rows and mine in rows and len(rows) == 3
+    assert "5 (2 runs)" in table(rows) and "4.20×" in table(rows)  # 300 / (5000 / 70)
+    with pytest.raises(ValueError, match="differ in versions"):
+        combine([a, run(2, 50.0, [1.0] * 3, "2026-12-01", {"trl": "1.17.0"})])
