@@ -67,3 +67,29 @@ def test_combine_pools_the_timed_steps_of_runs_of_one_row_and_refuses_other_devi
     assert "5 (2 runs)" in table(rows) and "4.20×" in table(rows)  # 300 / (5000 / 70)
     with pytest.raises(ValueError, match="differ in versions"):
         combine([a, run(2, 50.0, [1.0] * 3, "2026-12-01", {"trl": "1.17.0"})])
+
+
+def test_combine_takes_the_whole_timed_steps_of_a_run_cut_by_its_limit():
+    """A run stopped by its limit after 4 of 6 steps (1 warm-up, 3 timed) brings those 3 to the pool
+    and a later run of 2 the rest: one row of 5 marked with each run's status; a cut run alone stays
+    cut, and a cut run that timed no step is not pooled."""
+    from bench.peers.table import combine
+
+    def run(status, steps, walls, date):
+        done = sum(walls[1:])  # 1,000 tokens a timed step
+        return {"system": "trl", "setting": "sleep", "workload": "long256k-g2p1", "status": status,
+                "reason": "stopped by signal SIGTERM after 4 of 6 steps" if status == "cut" else "",
+                "steps": steps, "trained_tokens_per_step": 1000.0 if steps else None,
+                "trained_tokens_per_s_per_gpu": 1000.0 * steps / done if steps else None,
+                "step_time_s": 10.0, "weight_sync_s": None, "peak_gpu_gib": 100.0, "reward_curve": [0.1] * len(walls),
+                "device": "NVIDIA H200", "date": date, "versions": {"trl": "1.16.0"}, "extra": {"step_walls_s": walls}}
+
+    cut = run("cut", 3, [30.0, 20.0, 20.0, 20.0], "2026-11-30")  # 3,000 tokens in 60 s
+    rest = run("ok", 2, [30.0, 25.0, 25.0], "2026-12-01")  # 2,000 tokens in 50 s
+    (pooled,) = combine([cut, rest])
+    assert pooled["status"] == "ok" and pooled["reason"] == "" and pooled["steps"] == 5
+    assert pooled["trained_tokens_per_s_per_gpu"] == pytest.approx(5000 / 110)
+    assert [r["status"] for r in pooled["extra"]["runs"]] == ["cut", "ok"]
+    assert combine([cut]) == [cut]  # alone it is what it was: cut
+    empty = run("cut", 0, [30.0], "2026-12-01")
+    assert combine([empty, rest]) == [empty, rest]  # nothing timed: nothing to pool

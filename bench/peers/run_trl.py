@@ -206,6 +206,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
         # prompt + model tokens (TRL's num_tokens), plus the tool answers' tokens inside each completion
         trained = [b - a + max(0.0, c - g) for a, b, c, g in
                    zip([0.0, *seen[:-1]], seen, completion_tokens + [0] * len(seen), gen)]
+        walls = walls[:len(trained)]  # a run cut between a step's end and its log: that step is not counted
         summary = timed_summary(walls, trained, gen, args.warmup)
         for k, v in summary.items():
             setattr(res, k, v)

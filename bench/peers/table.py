@@ -8,10 +8,11 @@ listed with the last line of its reason.
 
     python bench/peers/table.py peers.json [more.json ...] [--markdown] [--combine]
 
-``--combine`` pools the timed steps of finished runs of one system, setting and workload into one
-row (each run after its own warm-up; trained tokens over wall time summed over every timed step):
-a row of >= 5 timed steps from runs too long for one device session (TRL's steps at 256k), on one
-kind of device and one set of versions, or it refuses.
+``--combine`` pools the timed steps of the runs of one system, setting and workload into one row
+(each run after its own warm-up; trained tokens over wall time summed over every timed step): a
+row of >= 5 timed steps from runs too long for one device session (TRL's steps at 256k), on one
+kind of device and one set of versions, or it refuses. A run stopped by its limit (``cut``) brings
+the timed steps it finished whole; the step it was in when stopped was never counted.
 """
 
 from __future__ import annotations
@@ -29,17 +30,18 @@ def load(paths: list[str]) -> list[dict]:
 
 
 def combine(rows: list[dict]) -> list[dict]:
-    """``rows`` with the finished runs of each (system, setting, workload) pooled into one row:
-    throughputs are totals over every timed step (tokens / seconds), the step time the median of
-    every timed step's wall, the peak the largest, the reward curves one after another, and
-    ``extra.runs`` the runs it pooled (date, steps, step time). Runs on other devices or versions
-    are not pooled: a ValueError says which."""
+    """``rows`` with the runs of each (system, setting, workload) that timed a step, finished (``ok``)
+    or stopped by their limit (``cut``: its whole timed steps), pooled into one row: throughputs are
+    totals over every timed step (tokens / seconds), the step time the median of every timed step's
+    wall, the peak the largest, the reward curves one after another, and ``extra.runs`` the runs it
+    pooled (date, status, steps, step time). A lone run passes through as it is (a cut run stays
+    cut). Runs on other devices or versions are not pooled: a ValueError says which."""
     import statistics
 
     out: list[dict] = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r.get("status") == "ok" and r.get("steps"):
+        if r.get("status") in ("ok", "cut") and r.get("steps"):
             groups.setdefault((r["system"], r["setting"], r["workload"]), []).append(r)
         else:
             out.append(r)
@@ -56,7 +58,7 @@ def combine(rows: list[dict]) -> list[dict]:
         timed = [w for r in runs for w in r.get("extra", {}).get("step_walls_s", [])[-r["steps"]:]]
         steps = sum(r["steps"] for r in runs)
         syncs = [(r["weight_sync_s"], r["steps"]) for r in runs if r.get("weight_sync_s") is not None]
-        row = {**runs[0], "steps": steps, "trained_tokens_per_step": sum(tokens) / steps,
+        row = {**runs[0], "status": "ok", "reason": "", "steps": steps, "trained_tokens_per_step": sum(tokens) / steps,
                "trained_tokens_per_s_per_gpu": sum(tokens) / sum(walls_s),
                "generated_tokens_per_s": sum((r.get("generated_tokens_per_s") or 0.0) * w
                                              for r, w in zip(runs, walls_s)) / sum(walls_s),
@@ -65,7 +67,8 @@ def combine(rows: list[dict]) -> list[dict]:
                "peak_gpu_gib": max((r.get("peak_gpu_gib") or 0.0) for r in runs),
                "reward_curve": [x for r in runs for x in r.get("reward_curve", [])],
                "date": " / ".join(dict.fromkeys(r.get("date", "?") for r in runs)),
-               "extra": {"runs": [{"date": r.get("date"), "steps": r["steps"], "step_time_s": r["step_time_s"],
+               "extra": {"runs": [{"date": r.get("date"), "status": r["status"], "steps": r["steps"],
+                                   "step_time_s": r["step_time_s"],
                                    "trained_tokens_per_s_per_gpu": r["trained_tokens_per_s_per_gpu"],
                                    **({"gpu": r["extra"]["gpu"]} if "gpu" in r.get("extra", {}) else {})}
                                   for r in runs]}}
