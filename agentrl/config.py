@@ -299,6 +299,10 @@ class Config(Section):
                             f"context_parallel_size={mc.context_parallel_size})")
             if mc.recompute_above_tokens and mc.activation_checkpointing:
                 idle.append("recompute_above_tokens (activation_checkpointing recomputes every micro-batch)")
+            if mc.recompute_keeps_attention and (mc.context_parallel_size > 1 or mc.attention == "te" or not (
+                    mc.recompute_above_tokens or mc.activation_checkpointing)):
+                idle.append("recompute_keeps_attention (it needs recompute_above_tokens or activation_checkpointing, "
+                            "the project's core attention and no context parallelism)")
             if idle:
                 warnings.warn(f"learner.megatron: {', '.join(idle)} set but without effect here", stacklevel=2)
             need = 2 * mc.context_parallel_size * (mc.tensor_parallel_size if mc.sequence_parallel else 1)

@@ -38,6 +38,15 @@ class MegatronConfig(Section):
     session", "Seventeenth session"). A micro-batch that recomputes also recomputes its logits in
     backward (no keep_grad_logits). 0 (the default): off; activation_checkpointing recomputes every
     layer of every micro-batch."""
+    recompute_keeps_attention: bool = False
+    """A recomputed layer keeps its core attention's output and softmax statistics (with the
+    kernel's inputs) from the forward, so its recompute in backward rebuilds the rest of the layer
+    but not the attention: at long context nearly all of a recompute's time (at 256k tokens the
+    attention is ~90 % of a layer's forward FLOPs). It costs ~7 kB a token a layer at the
+    Qwen2.5-1.5B shape (a whole layer ~84 kB); under ``recompute_above_tokens: auto`` the plan
+    recomputes more layers where that lets every recomputed layer keep its attention, else keeps as
+    many as fit. For recompute_above_tokens or activation_checkpointing; not under context
+    parallelism (there it does nothing)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     master_weight_remainders: bool = False

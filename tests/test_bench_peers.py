@@ -484,13 +484,13 @@ def test_agentrl_result_says_where_each_steps_time_went_and_what_recomputed():
     rows = [{"train/num_tokens": 1000.0, "timing/step": 10.0, "timing/learner_step": 7.5, "timing/waiting": 2.0,
              "train/recomputed_microbatches": 4.0, "train/recomputed_layers": 13.5},
             {"train/num_tokens": 1000.0, "timing/step": 8.0, "timing/learner_step": 6.25, "timing/waiting": 1.0,
-             "train/recomputed_microbatches": 4.0, "train/recomputed_layers": 14.0}]
+             "train/recomputed_microbatches": 4.0, "train/recomputed_layers": 14.0, "train/attention_kept_layers": 14.0}]
     res = Result(system="agentrl", setting="recommended", workload="long64k")
     summarize(res, rows, [10.0, 18.0], 0.0, warmup=1)
     assert res.extra["timing_by_step_s"] == [{"step": 10.0, "learner_step": 7.5, "waiting": 2.0},
                                              {"step": 8.0, "learner_step": 6.25, "waiting": 1.0}]
-    assert res.extra["recompute_by_step"] == [{"microbatches": 4.0, "layers_mean": 13.5},
-                                              {"microbatches": 4.0, "layers_mean": 14.0}]
+    assert res.extra["recompute_by_step"] == [{"microbatches": 4.0, "layers_mean": 13.5, "attention_kept_mean": 0.0},
+                                              {"microbatches": 4.0, "layers_mean": 14.0, "attention_kept_mean": 14.0}]
     assert res.step_time_s == 8.0 and res.trained_tokens_per_s_per_gpu == 125.0
     plain = Result(system="agentrl", setting="like", workload="multi")
     summarize(plain, [{k: v for k, v in rows[0].items() if "recompute" not in k}], [10.0], 0.0, warmup=0)

@@ -99,6 +99,26 @@ def test_recompute_above_tokens_recomputes_long_microbatches_with_the_same_step(
 
 
 @needs_cuda
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_recomputed_layers_that_keep_their_attention_give_the_same_step(tmp_path: Path, attention: str) -> None:
+    """learner.megatron.recompute_keeps_attention on CUDA (cuDNN's SDPA, compiled FlexAttention): the
+    recomputed layers keep their attention and the step's loss and gradient norm stay those of plain
+    recompute, at a peak no lower than plain recompute's."""
+    runs = {}
+    for name, extra in (("plain", ()), ("kept", ("--keep-attention",))):
+        out = tmp_path / f"{name}.json"
+        _run(1, "--mode", "recompute", "--recompute", "1024", "--attention", attention, *extra,
+             "--workdir", str(tmp_path), "--out", str(out))
+        runs[name] = json.loads(out.read_text())
+    plain, kept = runs["plain"], runs["kept"]
+    assert plain["recomputed"] > 0 and plain["attention_kept_layers"] == 0, runs
+    assert kept["recomputed"] == plain["recomputed"] and kept["attention_kept_layers"] == kept["recomputed_layers"] > 0, runs
+    assert abs(kept["loss"] - plain["loss"]) <= 1e-3 * max(1.0, abs(plain["loss"])), runs
+    assert abs(kept["grad_norm"] - plain["grad_norm"]) <= 1e-2 * plain["grad_norm"], runs
+    assert kept["peak_above_start_gib"] >= plain["peak_above_start_gib"] - 1e-3, runs
+
+
+@needs_cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_tensor_parallel_2_matches_tp_1(tmp_path: Path) -> None:
     outs = {}

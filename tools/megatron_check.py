@@ -266,6 +266,7 @@ def check_recompute(args: argparse.Namespace) -> dict:
     model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
     cfg = config(model_dir, attention=args.attention, recompute=args.recompute)
     cfg.learner.megatron.cuda_graphs = False  # the same eager path in every run (graphs keep their own pools)
+    cfg.learner.megatron.recompute_keeps_attention = args.keep_attention
     learner = MegatronLearner(cfg)
     res: dict = {"recompute": args.recompute}
     if args.partial:  # auto, as if the free memory held about half the layers' activations of a full micro-batch
@@ -286,6 +287,7 @@ def check_recompute(args: argparse.Namespace) -> dict:
             "microbatches": metrics["train/num_microbatches"],
             "recomputed": metrics.get("train/recomputed_microbatches", 0.0),
             "recomputed_layers": metrics.get("train/recomputed_layers", 0.0),
+            "attention_kept_layers": metrics.get("train/attention_kept_layers", 0.0),
             "peak_above_start_gib": (torch.cuda.max_memory_allocated() - base) / 2**30}
 
 
@@ -295,6 +297,8 @@ def main() -> None:
     ap.add_argument("--recompute", default="0", help="learner.megatron.recompute_above_tokens (recompute mode)")
     ap.add_argument("--partial", action="store_true",
                     help="recompute mode, auto: stand in a free memory that holds about half the layers' activations")
+    ap.add_argument("--keep-attention", action="store_true",
+                    help="recompute mode: learner.megatron.recompute_keeps_attention")
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--tp", type=int, default=1)

@@ -141,7 +141,9 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
     res.extra["config"] = {"max_staleness": cfg.replay.max_staleness, "engine_sleep": cfg.colocate.engine_sleep,
                            "learner": cfg.learner.backend, "micro_batch_tokens": cfg.packing.max_tokens_per_microbatch,
                            "engine_batched_tokens": cfg.engine.max_num_batched_tokens,
-                           "attention": cfg.learner.megatron.attention}
+                           "attention": cfg.learner.megatron.attention,
+                           "recompute_keeps_attention": cfg.learner.megatron.recompute_keeps_attention,
+                           "set": list(args.set)}
     t_init = time.perf_counter()
     trainer = Trainer(cfg, progress=False)
     trainer.save_checkpoint = lambda: None  # a benchmark keeps no checkpoint (3 GB at this size)
@@ -226,7 +228,8 @@ def summarize(res: Result, rows: list[dict], stamps: list[float], t0: float, war
                                       if k.startswith("timing/")} for m in rows]
     if any("train/recomputed_microbatches" in m for m in rows):
         res.extra["recompute_by_step"] = [{"microbatches": m.get("train/recomputed_microbatches", 0.0),
-                                           "layers_mean": round(m.get("train/recomputed_layers", 0.0), 2)}
+                                           "layers_mean": round(m.get("train/recomputed_layers", 0.0), 2),
+                                           "attention_kept_mean": round(m.get("train/attention_kept_layers", 0.0), 2)}
                                           for m in rows]
     # the engine's sampling logprobs against the learner's for the same tokens, each step: a refit
     # that left the engine other weights than the learner's shows here first

@@ -155,6 +155,18 @@ class PackedCoreAttention(MegatronModule):
             query = rope(query, p.rope_cos, p.rope_sin)
             key = rope(key, p.rope_cos, p.rope_sin)
         t, nq, hn = query.shape
+        keep = p.cache.get("keep_attention")
+        if keep and self.layer_number in keep and self.cp_size == 1:  # recompute_keeps_attention
+            slot = ("kept_attention", self.layer_number)
+            if not torch.is_grad_enabled():  # a recomputed layer's first forward (its checkpoint runs it without grad)
+                with torch.enable_grad():  # a graph of the kernel alone: what its backward needs, kept
+                    leaves = tuple(_compact(x).detach().requires_grad_() for x in (query, key, value))
+                    out = self._attend(*leaves, p)
+                p.cache[slot] = (leaves, out)
+                return out.detach().reshape(t, nq * hn)
+            kept = p.cache.pop(slot, None)
+            if kept is not None:  # its recompute in backward: the kept output, the kept kernel's backward
+                return _KeptAttention.apply(query, key, value, kept).reshape(t, nq * hn)
         if self.cp_size > 1:
             from agentrl.learners.megatron.cp_attention import cp_document_attention
 
@@ -164,11 +176,15 @@ class PackedCoreAttention(MegatronModule):
             # boundaries (CUDA; SDPA on CPU); attention=sdpa: SDPA with an explicit [t, T] mask.
             out = cp_document_attention(query, key, value, cu, group, softmax_scale=self.softmax_scale,
                                         backend="sdpa" if self.backend == "sdpa" else "auto")
-        elif query.is_cuda and (self.backend == "flex" or (self.backend == "auto" and auto_backend(p) == "flex")):
-            out = self._flex(query, key, value, p)  # FlexAttention has no CPU backward: SDPA there
         else:
-            out = self._sdpa(query, key, value, p, expand_kv=self.expand_kv and self.backend == "sdpa")
+            out = self._attend(query, key, value, p)
         return out.reshape(t, nq * hn)
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
+        """[t, np, hn] attention output on one rank (no context parallelism)."""
+        if q.is_cuda and (self.backend == "flex" or (self.backend == "auto" and auto_backend(p) == "flex")):
+            return self._flex(q, k, v, p)  # FlexAttention has no CPU backward: SDPA there
+        return self._sdpa(q, k, v, p, expand_kv=self.expand_kv and self.backend == "sdpa")
 
     def _flex(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
         t = q.shape[0]
@@ -192,3 +208,28 @@ class PackedCoreAttention(MegatronModule):
                                                enable_gqa=q.shape[1] != k.shape[1])
             outs.append(o.squeeze(0).transpose(0, 1))
         return torch.cat(outs)
+
+
+def _compact(x: Tensor) -> Tensor:
+    """``x``, copied when it is a view into a larger buffer (Megatron's V is a slice of the fused QKV
+    projection's output): a kept tensor must not keep the whole buffer alive."""
+    return x.clone() if x.untyped_storage().nbytes() > x.numel() * x.element_size() else x
+
+
+class _KeptAttention(torch.autograd.Function):
+    """The core attention of a recomputed layer that kept it (``recompute_keeps_attention``): forward
+    hands back the output the layer's first forward made, without running the kernel again; backward
+    runs that forward's own backward (its saved q, k, v, output and softmax statistics) and gives
+    the gradients to the recomputed q, k, v, which equal the kept ones."""
+
+    @staticmethod
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, kept: tuple) -> Tensor:
+        ctx.kept = kept
+        return kept[1].detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple:
+        (leaves, out), ctx.kept = ctx.kept, None
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+        return dq, dk, dv, None
+

@@ -206,6 +206,7 @@ class MegatronLearner:
         model.chunk_size = self.cfg.packing.logprob_chunk_size
         model.keep_grad_logits = mcfg.keep_grad_logits
         model.recompute_above_tokens = 0 if mcfg.activation_checkpointing else mcfg.recompute_above_tokens
+        model.keep_attention = mcfg.recompute_keeps_attention
         model.fused_logprobs = mcfg.fused_logprobs
         # The head's weight gradient straight into DDP's main_grad (see vocab_parallel_logprobs):
         # DDP's hook only adds .grad into main_grad unless it overlaps the gradient reduction.
@@ -363,7 +364,7 @@ class MegatronLearner:
 
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self.model.recomputed_microbatches = self.model.recomputed_layers = 0
+        self.model.recomputed_microbatches = self.model.recomputed_layers = self.model.kept_attention_layers = 0
         # Longest micro-batch, from the plan (the schedule's p2p shapes; unused with one stage).
         pm = cfg.packing.pad_multiple
         longest = max((sum(padded_length(len(samples[i]), pm) for i in ix) for ix in plan), default=1) + self._pad_to
@@ -386,6 +387,8 @@ class MegatronLearner:
             n = self.model.recomputed_microbatches
             out["train/recomputed_microbatches"] = float(n)
             out["train/recomputed_layers"] = self.model.recomputed_layers / n if n else 0.0  # mean a micro-batch
+            if self.model.keep_attention:  # of those, the layers that kept their attention (mean a micro-batch)
+                out["train/attention_kept_layers"] = self.model.kept_attention_layers / n if n else 0.0
         out.update(PEAKS.step_metrics("forward_backward", "optimizer"))  # on a GPU: this step's peaks
         return out
 

@@ -37,8 +37,8 @@ from agentrl.learners.megatron.compiled import compiled
 from agentrl.learners.megatron.convert import ModelShape
 from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
 
-__all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "build_model", "core_attention", "layer_spec", "layers_to_recompute",
-           "rope_inv_freq", "transformer_config"]
+__all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "attention_bytes_per_token", "build_model", "core_attention",
+           "layer_spec", "layers_to_recompute", "recompute_plan", "rope_inv_freq", "transformer_config"]
 
 AUTO_RECOMPUTE_SHARE = 0.85
 """``recompute_above_tokens: auto`` recomputes a micro-batch whose estimated activations exceed
@@ -94,6 +94,47 @@ def layers_to_recompute(tokens: int, limit: int | str, *, shape: ModelShape | No
         if tokens * ((layers - n) * per_layer + n * kept + per_layer + rest) <= budget:
             return n
     return layers
+
+
+def attention_bytes_per_token(shape: ModelShape, *, tp: int = 1, element_bytes: int = 2) -> int:
+    """What a recomputed layer that keeps its attention (``recompute_keeps_attention``) holds for
+    backward beyond its input, a token on a rank: the core attention's inputs after RoPE (q, k, v),
+    its output and the softmax's float32 log-sum-exp, this rank's heads. At the Qwen2.5-1.5B shape
+    7.2 kB, against the 84 kB of a layer that keeps everything."""
+    q = shape.num_heads * shape.head_dim
+    kv = 2 * shape.num_kv_heads * shape.head_dim
+    return ((2 * q + kv) * element_bytes + 4 * shape.num_heads) // max(tp, 1)
+
+
+def recompute_plan(tokens: int, limit: int | str, *, shape: ModelShape | None, layers: int, tp: int = 1,
+                   element_bytes: int = 2, head: bool = True, keep_grad_logits: bool = False,
+                   available: int | None = None, keep_attention: bool = False) -> tuple[int, int]:
+    """``(n, m)``: a micro-batch of ``tokens`` recomputes the first ``n`` of a stage's ``layers`` in
+    backward (:func:`layers_to_recompute`), and the first ``m`` of those keep their attention's
+    output and softmax statistics from the forward (``keep_attention``), so that their recompute
+    rebuilds everything but the attention kernel: at long context most of a recompute's time (at
+    256k tokens on the 1.5B shape the attention is ~90 % of a layer's forward FLOPs). ``m`` is 0 without
+    ``keep_attention`` and ``n`` under an integer limit. Under ``auto`` a kept attention costs
+    :func:`attention_bytes_per_token` a token where a whole layer costs ~12x that, so the plan
+    recomputes more layers if that lets every recomputed layer keep its attention (from ``n`` up, the
+    fewest that fit), and where even all of them cannot, recomputes all and keeps as many as fit."""
+    n = layers_to_recompute(tokens, limit, shape=shape, layers=layers, tp=tp, element_bytes=element_bytes,
+                            head=head, keep_grad_logits=keep_grad_logits, available=available)
+    if not keep_attention or n == 0 or shape is None:
+        return n, 0
+    if limit != "auto":
+        return n, n
+    budget = AUTO_RECOMPUTE_SHARE * available / tokens  # bytes a token (auto with n > 0 had ``available``)
+    sizes = {"tp": tp, "element_bytes": element_bytes}
+    per_layer = activation_bytes_per_token(shape, layers=1, head=False, **sizes)
+    rest = activation_bytes_per_token(shape, layers=0, head=head, **sizes)
+    kept = shape.hidden_size * element_bytes
+    att = attention_bytes_per_token(shape, **sizes)
+    for k in range(n, layers + 1):
+        if (layers - k) * per_layer + k * (kept + att) + per_layer + rest <= budget:
+            return k, k
+    room = budget - (layers * kept + per_layer + rest)
+    return layers, max(0, min(layers, int(room // att)))
 
 
 def _te_available() -> bool:
@@ -229,6 +270,8 @@ class AgentGPTModel(GPTModel):
         self.recomputing = False  # whether the forward in progress recomputes layers in backward
         self.recomputed_microbatches = 0  # forwards that did (the learner reads and resets it)
         self.recomputed_layers = 0  # the layers they recomputed, summed (likewise)
+        self.keep_attention = False  # learner.megatron.recompute_keeps_attention: set by the learner
+        self.kept_attention_layers = 0  # recomputed layers that kept their attention, summed (likewise)
 
     def forward(self, input_ids: Tensor, position_ids: Tensor, attention_mask: Tensor | None = None,
                 labels: Tensor | None = None, packed_seq_params: PackedAttentionParams | None = None,
@@ -237,13 +280,19 @@ class AgentGPTModel(GPTModel):
             # Megatron's block reads the granularity, method and layer count at each forward: only a
             # long micro-batch (this rank's tokens) with gradients recomputes layers in backward, the
             # first n of its stage ("block"), as many as layers_to_recompute says
-            n = self.layers_to_recompute(input_ids.shape[-1], input_ids.device) if torch.is_grad_enabled() else 0
+            n, m = self.recompute_plan(input_ids.shape[-1], input_ids.device) if torch.is_grad_enabled() else (0, 0)
             self.recomputing = n > 0
             self.config.recompute_granularity = "full" if n else None
             self.config.recompute_method, self.config.recompute_num_layers = "block", max(n, 1)
             self.recomputed_microbatches += int(n > 0)
             self.recomputed_layers += n
+        else:  # activation_checkpointing (every layer) or none
+            m = len(self.decoder.layers) if self.keep_attention and self.config.recompute_granularity == "full" \
+                and self.config.context_parallel_size == 1 and torch.is_grad_enabled() else 0
+        self.kept_attention_layers += m
         p = packed_seq_params
+        if isinstance(p, PackedAttentionParams):  # which layers' core attention keeps its output (attention.py)
+            p.cache["keep_attention"] = frozenset(layer.layer_number for layer in self.decoder.layers[:m])
         if p is not None and self.rope_in_attention and p.rope_cos is None:
             inv = self._inv_freq.to(position_ids.device)
             freqs = position_ids.reshape(-1, 1).float() * inv[None, :]
@@ -266,6 +315,14 @@ class AgentGPTModel(GPTModel):
         return layers_to_recompute(tokens, self.recompute_above_tokens, shape=self.shape,
                                    keep_grad_logits=self.keep_grad_logits,
                                    available=_available_bytes(device) if auto else None, **self._stage_sizes())
+
+    def recompute_plan(self, tokens: int, device: torch.device) -> tuple[int, int]:
+        """:func:`recompute_plan` for a micro-batch of ``tokens`` on this rank's stage now."""
+        auto = self.recompute_above_tokens == "auto"
+        keep = self.keep_attention and self.config.context_parallel_size == 1
+        return recompute_plan(tokens, self.recompute_above_tokens, shape=self.shape, keep_grad_logits=self.keep_grad_logits,
+                              available=_available_bytes(device) if auto else None, keep_attention=keep,
+                              **self._stage_sizes())
 
     def _stage_sizes(self) -> dict[str, Any]:
         return dict(layers=len(self.decoder.layers), tp=self.pg_collection.tp.size(),
