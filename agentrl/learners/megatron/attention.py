@@ -161,9 +161,10 @@ class PackedCoreAttention(MegatronModule):
             if not torch.is_grad_enabled():  # a recomputed layer's first forward (its checkpoint runs it without grad)
                 with torch.enable_grad():  # a graph of the kernel alone: what its backward needs, kept
                     leaves = tuple(_compact(x).detach().requires_grad_() for x in (query, key, value))
-                    out = self._attend(*leaves, p)
-                p.cache[slot] = (leaves, out)
-                return out.detach().reshape(t, nq * hn)
+                    # the kernels' own outputs (views of what their backward saved), not a copy joined from them
+                    parts = self._attend_parts(*leaves, p)
+                p.cache[slot] = (leaves, parts)
+                return _joined([x.detach() for x in parts]).reshape(t, nq * hn)
             kept = p.cache.pop(slot, None)
             if kept is not None:  # its recompute in backward: the kept output, the kept kernel's backward
                 return _KeptAttention.apply(query, key, value, kept).reshape(t, nq * hn)
@@ -182,8 +183,13 @@ class PackedCoreAttention(MegatronModule):
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
         """[t, np, hn] attention output on one rank (no context parallelism)."""
+        return _joined(self._attend_parts(q, k, v, p))
+
+    def _attend_parts(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> list[Tensor]:
+        """The attention output as the kernels made it: one [t, np, hn] view for FlexAttention's one
+        call, one [t_d, np, hn] view a document for SDPA's."""
         if q.is_cuda and (self.backend == "flex" or (self.backend == "auto" and auto_backend(p) == "flex")):
-            return self._flex(q, k, v, p)  # FlexAttention has no CPU backward: SDPA there
+            return [self._flex(q, k, v, p)]  # FlexAttention has no CPU backward: SDPA there
         return self._sdpa(q, k, v, p, expand_kv=self.expand_kv and self.backend == "sdpa")
 
     def _flex(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams) -> Tensor:
@@ -197,7 +203,7 @@ class PackedCoreAttention(MegatronModule):
                              v.transpose(0, 1).unsqueeze(0), mask, self.softmax_scale)
         return out.squeeze(0).transpose(0, 1)
 
-    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams, expand_kv: bool) -> Tensor:
+    def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, p: PackedAttentionParams, expand_kv: bool) -> list[Tensor]:
         bounds = document_bounds(p)
         if expand_kv and k.shape[1] != q.shape[1]:  # for SDPA kernels without GQA (bench/attention.py)
             k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
@@ -207,7 +213,12 @@ class PackedCoreAttention(MegatronModule):
             o = F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, scale=self.softmax_scale,
                                                enable_gqa=q.shape[1] != k.shape[1])
             outs.append(o.squeeze(0).transpose(0, 1))
-        return torch.cat(outs)
+        return outs
+
+
+def _joined(parts: list[Tensor]) -> Tensor:
+    """Per-document outputs as one [t, np, hn] tensor (one document: its output as it is)."""
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _compact(x: Tensor) -> Tensor:
@@ -225,11 +236,12 @@ class _KeptAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, kept: tuple) -> Tensor:
         ctx.kept = kept
-        return kept[1].detach()
+        return _joined([x.detach() for x in kept[1]])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple:
-        (leaves, out), ctx.kept = ctx.kept, None
-        dq, dk, dv = torch.autograd.grad(out, leaves, grad)
+        (leaves, parts), ctx.kept = ctx.kept, None
+        grads = torch.split(grad, [x.shape[0] for x in parts]) if len(parts) > 1 else (grad,)
+        dq, dk, dv = torch.autograd.grad(parts, leaves, grads)
         return dq, dk, dv, None
 
