@@ -6,9 +6,6 @@ in for) with SDPA, whose calls are counted."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import traceback
 import warnings
 from typing import Any
 
@@ -16,6 +13,8 @@ import pytest
 import torch
 
 from agentrl.config import load_config
+from tests.gloo_case import run_on_one_gloo_rank
+from tests.test_megatron_recompute import shape_1p5b
 
 
 def _case() -> dict[str, Any]:
@@ -90,39 +89,9 @@ def _case() -> dict[str, Any]:
     return res
 
 
-def _worker(store: str, out: Any) -> None:
-    try:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                                timeout=timedelta(seconds=120))
-        ps.initialize_model_parallel()
-        out.put(("ok", _case()))
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure goes back to the test process
-        out.put(("error", traceback.format_exc()))
-
-
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(str(tmp_path_factory.mktemp("gloo_kept") / "store"), out), daemon=True)
-    proc.start()
-    try:
-        status, payload = out.get(timeout=240)
-    except queue.Empty:
-        status, payload = "error", "the worker gave no answer in 240 s"
-    proc.join(timeout=10)
-    if proc.is_alive():
-        proc.terminate()
-    assert status == "ok", payload
-    return payload
+    return run_on_one_gloo_rank(_case, tmp_path_factory.mktemp("gloo_kept"))
 
 
 def test_a_recomputed_layer_that_keeps_its_attention_runs_the_kernel_once_with_the_same_gradients(result) -> None:
@@ -147,9 +116,6 @@ def test_a_recomputed_layer_that_keeps_its_attention_runs_the_kernel_once_with_t
 
 
 def test_the_plan_recomputes_more_layers_to_keep_every_recomputed_attention() -> None:
-    from transformers import Qwen2Config
-
-    from agentrl.learners.megatron.convert import ModelShape
     from agentrl.learners.megatron.model import (
         AUTO_RECOMPUTE_SHARE,
         activation_bytes_per_token,
@@ -158,9 +124,7 @@ def test_the_plan_recomputes_more_layers_to_keep_every_recomputed_attention() ->
         recompute_plan,
     )
 
-    shape = ModelShape.from_hf_config(Qwen2Config(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, tie_word_embeddings=True))
+    shape = shape_1p5b()
     att, whole = attention_bytes_per_token(shape), activation_bytes_per_token(shape, layers=1, head=False)
     assert 7000 < att < 7500 and whole > 11 * att  # q, k, v, output, log-sum-exp vs a whole layer
     assert attention_bytes_per_token(shape, tp=2) == att // 2

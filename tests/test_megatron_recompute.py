@@ -6,9 +6,6 @@ stood in for (the model has no dropout: no random numbers are drawn either way).
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import traceback
 import warnings
 from typing import Any
 
@@ -16,6 +13,18 @@ import pytest
 import torch
 
 from agentrl.config import load_config
+from tests.gloo_case import run_on_one_gloo_rank
+
+
+def shape_1p5b() -> Any:
+    """The Qwen2.5-1.5B shape the H200 figures were measured at."""
+    from transformers import Qwen2Config
+
+    from agentrl.learners.megatron.convert import ModelShape
+
+    return ModelShape.from_hf_config(Qwen2Config(
+        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+        num_key_value_heads=2, tie_word_embeddings=True))
 
 
 def _case() -> dict[str, Any]:
@@ -135,40 +144,9 @@ def _case() -> dict[str, Any]:
     return res
 
 
-def _worker(store: str, out: Any) -> None:
-    try:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1,
-                                timeout=timedelta(seconds=120))
-        ps.initialize_model_parallel()
-        out.put(("ok", _case()))
-        ps.destroy_model_parallel()
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure goes back to the test process
-        out.put(("error", traceback.format_exc()))
-
-
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    proc = ctx.Process(target=_worker, args=(str(tmp_path_factory.mktemp("gloo_recompute") / "store"), out),
-                       daemon=True)
-    proc.start()
-    try:
-        status, payload = out.get(timeout=240)
-    except queue.Empty:
-        status, payload = "error", "the worker gave no answer in 240 s"
-    proc.join(timeout=10)
-    if proc.is_alive():
-        proc.terminate()
-    assert status == "ok", payload
-    return payload
+    return run_on_one_gloo_rank(_case, tmp_path_factory.mktemp("gloo_recompute"))
 
 
 def test_long_microbatches_recompute_with_the_same_outputs_and_gradients(result: dict[str, Any]) -> None:
@@ -226,18 +204,13 @@ def test_recompute_above_tokens_turns_auto_cuda_graphs_off_only_where_graphs_wou
 
 
 def test_auto_recomputes_where_the_estimated_activations_exceed_the_free_memory() -> None:
-    from transformers import Qwen2Config
-
-    from agentrl.learners.megatron.convert import ModelShape
     from agentrl.learners.megatron.model import (
         AUTO_RECOMPUTE_SHARE,
         activation_bytes_per_token,
         layers_to_recompute,
     )
 
-    shape = ModelShape.from_hf_config(Qwen2Config(
-        vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-        num_key_value_heads=2, tie_word_embeddings=True))
+    shape = shape_1p5b()
     per_token = activation_bytes_per_token(shape, layers=28, keep_grad_logits=True)
     # the H200 measured 77.4 GiB of activations for a 33,279-token micro-batch at this shape: the
     # estimate stays within 10 % above it (above: recompute a little early rather than OOM)
