@@ -86,14 +86,22 @@ def layers_to_recompute(tokens: int, limit: int | str, *, shape: ModelShape | No
     if tokens * activation_bytes_per_token(shape, layers=layers, head=head, keep_grad_logits=keep_grad_logits,
                                            **sizes) <= budget:
         return 0
-    per_layer = activation_bytes_per_token(shape, layers=1, head=False, **sizes)
-    rest = activation_bytes_per_token(shape, layers=0, head=head, **sizes)  # the head, without kept logits
-    kept = shape.hidden_size * element_bytes  # a recomputed layer's input
     for n in range(1, layers):
-        # the kept layers whole, the recomputed ones' inputs, one recomputed layer rebuilt, the head
-        if tokens * ((layers - n) * per_layer + n * kept + per_layer + rest) <= budget:
+        if tokens * _planned_bytes_per_token(shape, layers, n, 0, head=head, **sizes) <= budget:
             return n
     return layers
+
+
+def _planned_bytes_per_token(shape: ModelShape, layers: int, recomputed: int, kept_attention: int, *, tp: int,
+                             element_bytes: int, head: bool) -> int:
+    """A token's bytes for backward when the first ``recomputed`` of ``layers`` recompute and
+    ``kept_attention`` of those keep their attention: the other layers whole, the recomputed ones'
+    inputs and kept attentions, one recomputed layer rebuilt, the head (without kept logits)."""
+    sizes = {"tp": tp, "element_bytes": element_bytes}
+    whole = activation_bytes_per_token(shape, layers=1, head=False, **sizes)
+    return ((layers - recomputed) * whole + recomputed * shape.hidden_size * element_bytes + whole
+            + kept_attention * attention_bytes_per_token(shape, **sizes)
+            + activation_bytes_per_token(shape, layers=0, head=head, **sizes))
 
 
 def attention_bytes_per_token(shape: ModelShape, *, tp: int = 1, element_bytes: int = 2) -> int:
@@ -125,16 +133,12 @@ def recompute_plan(tokens: int, limit: int | str, *, shape: ModelShape | None, l
     if limit != "auto":
         return n, n
     budget = AUTO_RECOMPUTE_SHARE * available / tokens  # bytes a token (auto with n > 0 had ``available``)
-    sizes = {"tp": tp, "element_bytes": element_bytes}
-    per_layer = activation_bytes_per_token(shape, layers=1, head=False, **sizes)
-    rest = activation_bytes_per_token(shape, layers=0, head=head, **sizes)
-    kept = shape.hidden_size * element_bytes
-    att = attention_bytes_per_token(shape, **sizes)
+    sizes = {"tp": tp, "element_bytes": element_bytes, "head": head}
     for k in range(n, layers + 1):
-        if (layers - k) * per_layer + k * (kept + att) + per_layer + rest <= budget:
+        if _planned_bytes_per_token(shape, layers, k, k, **sizes) <= budget:
             return k, k
-    room = budget - (layers * kept + per_layer + rest)
-    return layers, max(0, min(layers, int(room // att)))
+    room = budget - _planned_bytes_per_token(shape, layers, layers, 0, **sizes)
+    return layers, max(0, min(layers, int(room // attention_bytes_per_token(shape, tp=tp, element_bytes=element_bytes))))
 
 
 def _te_available() -> bool:
@@ -279,7 +283,7 @@ class AgentGPTModel(GPTModel):
         if self.recompute_above_tokens:
             # Megatron's block reads the granularity, method and layer count at each forward: only a
             # long micro-batch (this rank's tokens) with gradients recomputes layers in backward, the
-            # first n of its stage ("block"), as many as layers_to_recompute says
+            # first n of its stage ("block"), as many as recompute_plan says (and the first m keep their attention)
             n, m = self.recompute_plan(input_ids.shape[-1], input_ids.device) if torch.is_grad_enabled() else (0, 0)
             self.recomputing = n > 0
             self.config.recompute_granularity = "full" if n else None
@@ -307,14 +311,6 @@ class AgentGPTModel(GPTModel):
         if self.shape is None:
             return 0
         return activation_bytes_per_token(self.shape, keep_grad_logits=self.keep_grad_logits, **self._stage_sizes())
-
-    def layers_to_recompute(self, tokens: int, device: torch.device) -> int:
-        """:func:`layers_to_recompute` for a micro-batch of ``tokens`` on this rank's stage now
-        (with ``auto``, against the memory free on ``device`` at this forward)."""
-        auto = self.recompute_above_tokens == "auto"
-        return layers_to_recompute(tokens, self.recompute_above_tokens, shape=self.shape,
-                                   keep_grad_logits=self.keep_grad_logits,
-                                   available=_available_bytes(device) if auto else None, **self._stage_sizes())
 
     def recompute_plan(self, tokens: int, device: torch.device) -> tuple[int, int]:
         """:func:`recompute_plan` for a micro-batch of ``tokens`` on this rank's stage now."""
