@@ -93,3 +93,46 @@ def test_combine_takes_the_whole_timed_steps_of_a_run_cut_by_its_limit():
     assert combine([cut]) == [cut]  # alone it is what it was: cut
     empty = run("cut", 0, [30.0], "2026-12-01")
     assert combine([empty, rest]) == [empty, rest]  # nothing timed: nothing to pool
+
+
+def test_combine_keeps_runs_with_other_overrides_and_probes_apart():
+    """A run given a config override (``--set``) is another configuration: pooled only with runs of
+    the same overrides, and its row names them; a run without a warm-up step (a probe) is never
+    pooled; agentrl's rec column reads the run without overrides, its best column any finished row."""
+    from bench.peers.table import combine
+
+    def run(system, tok_s, walls, steps, sets=()):
+        return {"system": system, "setting": "recommended", "workload": "long256k-g2p1", "status": "ok",
+                "steps": steps, "trained_tokens_per_step": 1000.0, "trained_tokens_per_s_per_gpu": tok_s,
+                "step_time_s": 10.0, "weight_sync_s": 0.3, "peak_gpu_gib": 100.0, "reward_curve": [0.5],
+                "device": "NVIDIA H200", "date": "2026-11-29", "versions": {"torch": "2.11.0"},
+                "extra": {"step_walls_s": walls, "config": {"set": list(sets)}}}
+
+    plain = run("agentrl", 400.0, [3.0] + [2.5] * 5, 5)
+    kept = ["learner.megatron.recompute_keeps_attention=true"]
+    probe = run("agentrl", 300.0, [3.3], 1, kept)  # its one step is its first: no warm-up
+    kept_a, kept_b = run("agentrl", 500.0, [3.0, 2.0, 2.0], 2, kept), run("agentrl", 500.0, [3.0, 2.0], 1, kept)
+    peer = run("trl", 200.0, [6.0, 5.0, 5.0], 2)
+    rows = combine([plain, probe, kept_a, peer, kept_b])
+    assert plain in rows and probe in rows and peer in rows and len(rows) == 4
+    (pooled,) = [r for r in rows if r.get("extra", {}).get("runs")]
+    assert pooled["steps"] == 3 and pooled["extra"]["set"] == kept
+    text = table(rows)
+    assert text.count("recommended +learner.megatron.recompute_keeps_attention=true") == 2
+    trl_line = next(ln for ln in text.splitlines() if " trl " in ln)
+    assert "2.00×, –×, 2.50×" in trl_line, trl_line  # rec: the plain run (400); best: the kept runs (500)
+
+
+def test_a_pooled_row_names_the_gpus_its_runs_had():
+    """Two runs side by side on one host of two GPUs (device.sh GPU=0 and GPU=1) pool into a row
+    whose setting says so: each may have slowed the other through the shared cores and memory."""
+    from bench.peers.table import combine
+
+    def run(gpu):
+        return {"system": "trl", "setting": "sleep", "workload": "long256k-g2p1", "status": "ok", "steps": 2,
+                "trained_tokens_per_step": 1000.0, "trained_tokens_per_s_per_gpu": 100.0, "step_time_s": 10.0,
+                "device": "NVIDIA H200", "date": "2026-11-29", "versions": {"trl": "1.16.0"},
+                "extra": {"step_walls_s": [10.0] * 3, "gpu": {"nvml_index": gpu, "host_gpus": 2}}}
+
+    (pooled,) = combine([run(0), run(1)])
+    assert "sleep (GPU 0, 1 of 2)" in table([pooled])

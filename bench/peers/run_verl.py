@@ -335,6 +335,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
     log_file.unlink(missing_ok=True)
     ovr = overrides(args, wl, model, files, setting, str(log_file))
     res.extra["overrides"] = ovr
+    res.extra["set"] = list(args.set)  # the user's own among them (table.py: another row)
     env = {**os.environ, "VERL_FILE_LOGGER_PATH": str(log_file), "WANDB_MODE": "disabled", "HYDRA_FULL_ERROR": "1"}
     cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *ovr, f"hydra.run.dir={args.workdir}/verl-hydra/{wl.name}-{setting}"]
     print("verl:", " ".join(cmd), flush=True)

@@ -35,15 +35,18 @@ def combine(rows: list[dict]) -> list[dict]:
     totals over every timed step (tokens / seconds), the step time the median of every timed step's
     wall, the peak the largest, the reward curves one after another, and ``extra.runs`` the runs it
     pooled (date, status, steps, step time). A lone run passes through as it is (a cut run stays
-    cut). Runs on other devices or versions are not pooled: a ValueError says which."""
+    cut). Runs with other config overrides (``--set``) are other rows; a run that timed its first
+    step (no warm-up: a probe) is never pooled. Runs on other devices or versions are not pooled: a
+    ValueError says which."""
     import statistics
 
     out: list[dict] = []
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        if r.get("status") in ("ok", "cut") and r.get("steps"):
-            groups.setdefault((r["system"], r["setting"], r["workload"]), []).append(r)
-        else:
+        walls = r.get("extra", {}).get("step_walls_s", [])
+        if r.get("status") in ("ok", "cut") and r.get("steps") and len(walls) > r["steps"]:
+            groups.setdefault((r["system"], r["setting"], r["workload"], *_overrides(r)), []).append(r)
+        else:  # nothing timed, or no warm-up before the timed steps (a probe): its own row
             out.append(r)
     for key, runs in groups.items():
         if len(runs) == 1:
@@ -67,7 +70,7 @@ def combine(rows: list[dict]) -> list[dict]:
                "peak_gpu_gib": max((r.get("peak_gpu_gib") or 0.0) for r in runs),
                "reward_curve": [x for r in runs for x in r.get("reward_curve", [])],
                "date": " / ".join(dict.fromkeys(r.get("date", "?") for r in runs)),
-               "extra": {"runs": [{"date": r.get("date"), "status": r["status"], "steps": r["steps"],
+               "extra": {"set": _overrides(runs[0]), "runs": [{"date": r.get("date"), "status": r["status"], "steps": r["steps"],
                                    "step_time_s": r["step_time_s"],
                                    "trained_tokens_per_s_per_gpu": r["trained_tokens_per_s_per_gpu"],
                                    **({"gpu": r["extra"]["gpu"]} if "gpu" in r.get("extra", {}) else {})}
@@ -94,11 +97,20 @@ def _why(reason: str) -> str:
     return (lines[-1] if lines else "")[-90:]
 
 
+def _overrides(row: dict) -> list[str]:
+    """The config overrides a run was given beside its setting (the runners' ``--set``)."""
+    extra = row.get("extra", {})
+    return list((extra.get("config") or {}).get("set") or extra.get("set") or [])
+
+
 def _setting(row: dict) -> str:
-    """The setting, and the GPU of a run on a host of several (device.sh GPU=N: another run may have
-    shared the host's cores and memory meanwhile)."""
-    gpu = row.get("extra", {}).get("gpu")
-    return row["setting"] + (f" (GPU {gpu['nvml_index']} of {gpu['host_gpus']})" if gpu else "")
+    """The setting with the run's overrides, and the GPU of a run on a host of several (device.sh
+    GPU=N: another run may have shared the host's cores and memory meanwhile)."""
+    extra = row.get("extra", {})
+    gpus = [g for g in [extra.get("gpu"), *(r.get("gpu") for r in extra.get("runs", []))] if g]  # pooled: each run's
+    where = (f" (GPU {', '.join(str(i) for i in sorted({g['nvml_index'] for g in gpus}))} of {gpus[0]['host_gpus']})"
+             if gpus else "")
+    return row["setting"] + "".join(f" +{o}" for o in _overrides(row)) + where
 
 
 def _f(x, fmt: str) -> str:
@@ -114,8 +126,9 @@ def table(rows: list[dict], markdown: bool = False) -> str:
             "sync s", "peak GiB", "GPU busy", "episode tok", "reward first→last", "agentrl/peer (rec, like, best)"]
     out = []
     for wl in dict.fromkeys(r["workload"] for r in rows):
-        mine = {r["setting"]: r for r in rows if r["workload"] == wl and r["system"] == "agentrl"}
-        best_mine = max((_tput(r) or 0.0 for r in mine.values()), default=0.0)
+        # the rec and like columns: agentrl's settings as they are (a run with overrides counts in best)
+        mine = {r["setting"]: r for r in rows if r["workload"] == wl and r["system"] == "agentrl" and not _overrides(r)}
+        best_mine = max((_tput(r) or 0.0 for r in rows if r["workload"] == wl and r["system"] == "agentrl"), default=0.0)
         best_peer = max((_tput(r) or 0.0 for r in rows if r["workload"] == wl and r["system"] != "agentrl"), default=0.0)
         for r in [r for r in rows if r["workload"] == wl]:
             curve = r.get("reward_curve") or []
