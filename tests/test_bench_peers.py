@@ -542,7 +542,7 @@ def test_verl_run_stopped_by_its_timeout_is_cut_not_an_error(tmp_path, monkeypat
         "time.sleep(60)\n")
     monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     monkeypatch.setattr(run_verl, "overrides", lambda *a, **k: [])
-    args = argparse.Namespace(workdir=str(tmp_path), timeout=3, warmup=1, steps=5)
+    args = argparse.Namespace(workdir=str(tmp_path), timeout=3, warmup=1, steps=5, set=[])
     res = run_verl.run_setting(args, workload("long16k"), "model", {}, "recommended")
     assert res.status == "cut", (res.status, res.reason)
     assert res.reason == "timed out after 3s, 0 of 6 steps done (warm-up included)", res.reason
