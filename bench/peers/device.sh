@@ -37,8 +37,9 @@
 #   bash bench/peers/device.sh wait     # waits for every queue; their logs come back as gpuN-SYSTEM-WORKLOAD.log
 # A GPU's queue ends only the Ray and vLLM processes its own runs started (they inherit PEERS_TAG=gpuN);
 # the two runs share the host's cores and memory (each result's extra.gpu says which GPU of how many).
-# Systems on Ray (agentrl, verl) never share the host at once: give them the same GPU's queue, or pair
-# each with TRL (no Ray).
+# Two runs on Ray (agentrl, verl) side by side are untried on a GPU host (two local Ray clusters ran side
+# by side on the CPU machine, each on its own random ports, their processes tagged): give the second its
+# own --workdir in PEER_ARGS (run directories are named by workload and setting), or queue both on one GPU.
 # `tests:FILE[,FILE...]` runs pytest on them (TESTS_TIMEOUT s, default 300) into $OUT/tests.log.
 # `attention` runs bench/attention.py (ATT_LENGTHS, default 32768,65536,131072; ATT_TIMEOUT s, default 300; ATT_ARGS)
 # into $OUT/attention.json: FlexAttention vs SDPA's kernels on one long document, the learner's choice.
