@@ -5,14 +5,11 @@ forward, and the CP-summed gradient matches HF's."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import traceback
-from datetime import timedelta
 from typing import Any
 
-import pytest
 import torch
+
+from tests.gloo_case import run_on_gloo_ranks
 
 WORLD = 2
 LENS = [12, 8, 20]  # multiples of 2 * cp
@@ -82,42 +79,9 @@ def _case() -> dict[str, Any]:
     return {"fwd_err": float((mine - ref).abs().max()), "grad_err": grads, "local_tokens": int(out.shape[0])}
 
 
-def _worker(rank: int, store: str, out: Any) -> None:
-    try:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                                timeout=timedelta(seconds=120))
-        ps.initialize_model_parallel(context_parallel_size=WORLD)
-        res = _case()
-        ps.destroy_model_parallel()
-        out.put(("ok", res))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure goes back to the test process
-        out.put(("error", traceback.format_exc()))
-
-
 def test_cp2_model_forward_and_grad_match_hf(tmp_path: Any) -> None:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, str(tmp_path / "store"), out), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = []
-    for _ in range(WORLD):
-        try:
-            got.append(out.get(timeout=240))
-        except queue.Empty:
-            got.append(("error", "a rank gave no answer in 240 s"))
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.terminate()
-    errors = [payload for status, payload in got if status != "ok"]
-    assert not errors, errors[0]
-    for _, r in got:
+    got = run_on_gloo_ranks(_case, tmp_path, WORLD, context_parallel_size=WORLD)
+    for r in got:
         assert r["local_tokens"] == sum(LENS) // WORLD
         assert r["fwd_err"] < 2e-4, r  # CP=2 Megatron forward == HF per-document forward (fp32)
         assert all(e < 1e-4 for e in r["grad_err"].values()), r

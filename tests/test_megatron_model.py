@@ -4,14 +4,12 @@ vocab-parallel logprobs over the TP group equal a full log-softmax."""
 
 from __future__ import annotations
 
-import multiprocessing as mp
-import queue
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import pytest
 import torch
+
+from tests.gloo_case import run_on_gloo_ranks
 
 WORLD = 2
 
@@ -87,47 +85,13 @@ def _forward_matches_hf(model: Any, cfg: Any, hf: dict) -> tuple[float, float]:
     return float((mine - ref).abs().max()), float(grad_err / ref_model.model.norm.weight.grad.abs().max())
 
 
-def _worker(rank: int, store: str, out: Any) -> None:
-    try:
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
-                                timeout=timedelta(seconds=120))
-        results = {}
-        for tp, families in ((2, ("qwen2", "llama", "qwen3")),):
-            ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-            for family in families:
-                results[(family, tp)] = _case(family, tp)
-            ps.destroy_model_parallel()
-        out.put(("ok", results))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - every failure goes back to the test process
-        out.put(("error", traceback.format_exc()))
+def _all_cases() -> dict[tuple[str, int], Any]:  # on each TP=2 rank (run_on_gloo_ranks)
+    return {(family, 2): _case(family, 2) for family in ("qwen2", "llama", "qwen3")}
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = tmp_path_factory.mktemp("gloo_megatron") / "store"
-    procs = [ctx.Process(target=_worker, args=(r, str(store), out), daemon=True) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    got = []
-    for _ in range(WORLD):
-        try:
-            got.append(out.get(timeout=240))
-        except queue.Empty:
-            got.append(("error", "a rank gave no answer in 240 s"))
-    for p in procs:
-        p.join(timeout=10)
-        if p.is_alive():
-            p.terminate()
-    errors = [payload for status, payload in got if status != "ok"]
-    assert not errors, errors[0]
-    return [payload for _, payload in got]
+    return run_on_gloo_ranks(_all_cases, tmp_path_factory.mktemp("gloo_megatron"), WORLD, tensor_model_parallel_size=2)
 
 
 @pytest.mark.parametrize("family,tp", [("qwen2", 2), ("llama", 2), ("qwen3", 2)])
