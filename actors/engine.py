@@ -30,7 +30,7 @@ class EngineActor(AsyncDiag):
         ``latest_weights`` a (re)started engine loads before it serves. ``compile_cache_dir``:
         torch-inductor's cache, shared by the run's engines (the trainer's, removed at its
         shutdown): vLLM compiles its sampler's rank count on the first request for logprobs (on
-        CPU a C++ kernel and a ~150 MB precompiled header, bench/RESULTS.md issue 33), which a
+        CPU a C++ kernel and a ~150 MB precompiled header: bench/history/chaos-soak.md), which a
         restarted engine then loads instead of compiling again. None: in the private temp dir.
         ``vocab_limit``: see :class:`agentrl.engines.vllm_engine.VLLMEngine`."""
         import tempfile

@@ -1,6 +1,6 @@
 """agentrl: async actor-model multi-turn agentic RL for LLMs.
 
-Core modules import neither Ray nor vLLM nor Megatron at module level; see DESIGN.md's layout.
+Core modules import neither Ray nor vLLM nor Megatron at module level: they load without them.
 """
 
 __version__ = "0.1.0"

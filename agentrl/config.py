@@ -167,14 +167,14 @@ class ClusterConfig(Section):
     timings: what `ray list tasks` and Ray's dashboard show) Ray's GCS keeps, the oldest dropped
     first (Ray's `task_events_max_num_task_in_gcs`). Ray's default, 100,000, let gcs_server grow
     to about 330 MiB in an hour's soak run (about 3 KB a task); 10,000 still let it climb to ~80 MiB
-    in the first 10 minutes (bench/RESULTS.md, issue 33). 2,000 is a few minutes of a run's tasks.
+    in the first 10 minutes (bench/history/chaos-soak.md). 2,000 is a few minutes of a run's tasks.
     A cluster agentrl joins keeps its own setting."""
     worker_niceness: int | None = Field(None, ge=0, le=19)
     """When agentrl starts Ray itself: the nice value of Ray's worker processes, i.e. every actor
     (engines, learner, rollouts), added to the driver's. None keeps Ray's default, 15: on a machine
     shared with busy processes at normal priority the actors then get the CPU last (beside one
-    busy-loop process a CPU quickstart's engine got 2-3 % of a core for 20 minutes; bench/RESULTS.md,
-    issue 35). 0 runs them at the driver's priority. A cluster agentrl joins keeps its own."""
+    busy-loop process a CPU quickstart's engine got 2-3 % of a core for 20 minutes;
+    bench/history/quickstart.md). 0 runs them at the driver's priority. A cluster agentrl joins keeps its own."""
     placement_timeout_s: float = Field(300.0, gt=0)
     """Colocated runs: how long to wait for Ray to place the one-GPU bundles (learner rank i with
     its engines) before stopping with an error that says what the cluster lacks."""
@@ -254,7 +254,7 @@ class Config(Section):
         if self.colocate.enabled and "cuda_graphs" in mc._auto:
             # The graphs' activation pools stay allocated beside the engine: at 1.5B on one H100 they
             # took 15 GiB and left the learner (split) or the engine's wake (sleep) out of memory
-            # (bench/RESULTS.md, GPU loop).
+            # (bench/history/gpu_loop.md).
             object.__setattr__(mc, "cuda_graphs", False)
         # A graph replays one micro-batch length (the token budget, rounded up to 128) with the
         # activations it captured: no graph where micro-batches of that length recompute.

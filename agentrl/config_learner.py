@@ -34,8 +34,8 @@ class MegatronConfig(Section):
     the GPU memory free at their forward (CUDA only), and of those only as many layers as make them
     fit (the first ones of each stage). For long episodes on few GPUs: at the Qwen2.5-1.5B shape a
     token keeps ~2.5 MB of activations without recompute (the estimate says 2.7), so on one H200 a
-    32k-token micro-batch fits without and a 64k one trains with (bench/RESULTS.md, "Sixteenth
-    session", "Seventeenth session"). A micro-batch that recomputes also recomputes its logits in
+    32k-token micro-batch fits without and a 64k one trains with (measured on an H200 on
+    2026-11-29: bench/history/peers.md, peers_long.md). A micro-batch that recomputes also recomputes its logits in
     backward (no keep_grad_logits). 0 (the default): off; activation_checkpointing recomputes every
     layer of every micro-batch."""
     recompute_keeps_attention: bool = False
@@ -125,7 +125,7 @@ FAST_OPTIONS = ("cuda_graphs", "keep_grad_logits", "fused_logprobs", "flex_expan
 
 def resolve_fast_options(mcfg: MegatronConfig) -> dict[str, bool]:
     """What ``auto`` means for each of :data:`FAST_OPTIONS` under ``mcfg``'s layout: on where it
-    can run and helps, off elsewhere (measured on 1x H100: bench/RESULTS.md, Megatron learner).
+    can run and helps, off elsewhere (measured on 1x H100: bench/history/learner.md).
 
     Example:
         >>> resolve_fast_options(MegatronConfig(tensor_parallel_size=2))["cuda_graphs"]

@@ -92,7 +92,7 @@ def _fused_forward(self, x, *args, **kwargs):
     ``y = base(x); y += scale * (x @ A^T) @ B^T`` as an in-place ``addmm_``. PEFT's own forward
     (``result + lora_B(lora_A(x)) * scaling``) writes the adapter's [tokens x out] product, scales
     it and adds it: three more passes over every projection's output forward and one backward,
-    which at the 1.5B shape cost more than the frozen base saves (issue 31). Anything but the plain
+    which at the 1.5B shape cost more than the frozen base saves. Anything but the plain
     case (adapters disabled or merged, several active adapters, dropout, DoRA-like variants,
     mixed-batch ``adapter_names``, a dtype cast) goes to PEFT's forward."""
     import torch

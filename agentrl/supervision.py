@@ -179,7 +179,7 @@ class Supervision:
         Not admissions (a frozen engine still lets groups be admitted), nor groups given back after
         failing, nor groups dropped as stale: an engine that cannot start fails every group, and a
         restarted engine serving old weights makes only stale ones, both forever; counting them
-        kept the watchdog quiet while the run made no step (issue 33, GPU chaos)."""
+        kept the watchdog quiet while the run made no step (seen in a GPU chaos run)."""
         try:
             m = ray.get(self.replay.metrics.remote(), timeout=self.cfg.watchdog.ping_timeout_s)
         except Exception:  # noqa: BLE001 (judged by the diagnosis)

@@ -229,7 +229,7 @@ def pretrain_induction(model, tokenizer, *, steps: int, lr: float = 3e-3, batch_
     In the 0.2M-parameter long-context model (hidden 64, 3 layers) the copy appears abruptly
     after ~400 steps of 2,048 tokens and reaches P(copy) ~0.99 by 1,000 (~100 s on one core);
     without this stage, ~2,000 steps of LongNeedle SFT formed an in-page copy in some seeds only
-    (bench/RESULTS.md, "Long context"). Returns ``{"steps", "loss", "p_copy", "seconds"}`` of
+    (bench/history/long_context.md). Returns ``{"steps", "loss", "p_copy", "seconds"}`` of
     the last 50 steps.
     """
     import time

@@ -114,7 +114,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=150.0, help="training wall time per mode")
     parser.add_argument("--groups-per-step", type=int, default=4, help="replay.groups_per_step of both modes")
     # lr 5e-4 at T 1.0 (the pin until 2026-11-23) made the async run (staleness 4) collapse once the
-    # SFT model used the tool well: see bench/RESULTS.md
+    # SFT model used the tool well: see bench/history/async_vs_sync.md
     parser.add_argument("--lr", type=float, default=1e-4, help="learner.lr of both modes")
     parser.add_argument("--temperature", type=float, default=0.7, help="rollout.temperature of both modes")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -11,7 +11,7 @@
 #                          cat /tmp/c1part00 .carry/c1b/part01 > /tmp/vllm_c.tar.xz && python3 .carry/c3/unpack.py /tmp/vllm_c.tar.xz /tmp/site && rm /tmp/vllm_c.tar.xz /tmp/c1part00 && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .carry/c3/whl/*.whl && python3 .carry/c3/unpack.py .carry/c3/ray.tar.xz /tmp/site && <your work>
 set -euo pipefail
 src=${1:-.carry}
-[ -f "$src/c1/vllm_c.tar.xz" ] || { echo "carry_split: $src/c1/vllm_c.tar.xz is missing (bash ../shared/device/vllm/build_carry.sh $src first)"; exit 2; }
+[ -f "$src/c1/vllm_c.tar.xz" ] || { echo "carry_split: $src/c1/vllm_c.tar.xz is missing (build the vLLM carry into $src first)"; exit 2; }
 rm -rf "$src/c1a" "$src/c1b"; mkdir -p "$src/c1a" "$src/c1b"
 split -b 56000000 -d "$src/c1/vllm_c.tar.xz" "$src/c1a/part"
 mv "$src/c1a/part01" "$src/c1b/"

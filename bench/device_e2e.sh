@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU pipeline on the device machine (issue 16). First the three-call carry of vLLM, Ray and the
-# project's extra wheels into /tmp/site (../shared/device/vllm/README.md); then, from the repo root:
+# The GPU pipeline on the device machine. First the three-call carry of vLLM, Ray and the
+# project's extra wheels into /tmp/site (vLLM 0.26.0 and Ray 2.60.0 wheels, built in .carry/c1-c3 for a GPU image without them); then, from the repo root:
 #   bash bench/device_e2e.sh tests   # tests/test_gpu_e2e.py: CUDA-IPC refit, sleep/wake memory,
 #                                    # colocated engine + Megatron learner logprob agreement
 #   bash bench/device_e2e.sh train   # agentrl train configs/gpu_1x.yaml (TRAIN_ARGS: extra overrides)

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The agent endpoint on the GPU machine (issue 30): bench/agent_endpoint.py with a Qwen2.5-0.5B-shaped
+# The agent endpoint on the GPU machine: bench/agent_endpoint.py with a Qwen2.5-0.5B-shaped
 # model with random weights (bf16, the tiny tokenizer, built on the spot on the GPU; nothing downloaded),
 # where sampling costs what it does for users. Prints and writes to $OUT/device_endpoint.json:
 #   - round trip: the same greedy 16-token request, direct engine call vs through the endpoint over HTTP
@@ -10,7 +10,7 @@
 #     once per AGENT_WORKERS value (default 0,8: the agents in the bench's process, then in 8 agent worker
 #     processes, agent.workers=8), each against the env path, all alternating;
 #   - engine vs torch-learner logprobs (Hugging Face forward, bf16) on both paths' trajectories: mean |delta|.
-# First the three-call carry of vLLM and Ray into /tmp/site (../shared/device/vllm/README.md); then,
+# First the three-call carry of vLLM and Ray into /tmp/site (vLLM 0.26.0 and Ray 2.60.0 wheels, built in .carry/c1-c3 for a GPU image without them); then,
 # from the repo root, in the third call or a later one:
 #   bash bench/device_endpoint.sh          # ~4-6 min on one H100 (vLLM compiled, CUDA graphs)
 #   bash bench/device_endpoint.sh eager    # the same with enforce_eager (if the compiled start fails)

@@ -1,6 +1,6 @@
 # Sourced by the bench/device_*.sh and bench/peers/device.sh scripts on the GPU machine, from the repo
 # root: `source bench/device_env.sh NAME`. It stops the caller (exit 3) when the carried vLLM is missing
-# (the three carry calls of ../shared/device/vllm/README.md come first), makes envs/ and actors/ importable
+# (the three carry calls of the vLLM 0.26.0 and Ray 2.60.0 wheels, built in .carry/c1-c3 for a GPU image without them, come first), makes envs/ and actors/ importable
 # as agentrl.envs / agentrl.actors from the source tree (an installed package gets them from setuptools'
 # package-dir), exports the environment that worked on the lent H100 (flashinfer's sampler off: it is not
 # carried; no usage stats; no NVLink multicast), makes $OUT and prints the GPU.

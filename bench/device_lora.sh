@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# LoRA on the GPU machine (issue 31): bench/lora.py in two calls of < 9 min. First the three-call
-# carry of vLLM and Ray into /tmp/site (../shared/device/vllm/README.md); the third call also
+# LoRA on the GPU machine: bench/lora.py in two calls of < 9 min. First the three-call
+# carry of vLLM and Ray into /tmp/site (vLLM 0.26.0 and Ray 2.60.0 wheels, built in .carry/c1-c3 for a GPU image without them); the third call also
 # carries .peers/lora (the PEFT wheel: python3 -m pip download peft==0.21.2 --no-deps -d .peers/lora)
 # and runs the first half. From the repo root:
 #   bash bench/device_lora.sh install a   # carry [".carry/c3", ".peers/lora"], after the c3 install:
@@ -13,7 +13,7 @@
 #                                         # after each), then each LoRA mode / full
 #   bash bench/device_lora.sh b7          # the same at the Qwen2.5-7B shape (GRPO on one GPU,
 #                                         # random weights; full fine-tuning may OOM: that is data)
-# The device commands for issue 31's serve=merged comparison, after the three carry calls (the
+# The device commands for the serve=merged comparison, after the three carry calls (the
 # third with carry [".carry/c3", ".peers/lora"] and `install` in front), each its own run call
 # with timeout_s 600 on the same warm machine:
 #   bash bench/device_lora.sh b           # 60 s windows, the three learners in one call
@@ -37,7 +37,7 @@ rc=0
 for step in "$@"; do
   case $step in
     install)
-      # The device image has peft 0.21.0 (../shared/device/image-pip-freeze.txt); the carried wheel
+      # The device image has peft 0.21.0 (its pip freeze); the carried wheel
       # pins the version the CPU tests ran (0.21.2) and wins on PYTHONPATH.
       if ls .peers/lora/*.whl >/dev/null 2>&1; then
         python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target /tmp/site .peers/lora/*.whl 2>&1 | tail -2

@@ -60,7 +60,7 @@ def make_model(out: Path, config: Any = None, *, init_dtype: str = "float32") ->
     """Random weights (bf16) with the tiny tokenizer, in HF format: Qwen2.5-1.5B-shaped, or of
     ``config`` (a ``Qwen2Config``, e.g. bench/lora.py's 7B shape). ``init_dtype``: the dtype the
     weights are drawn in before the cast to bf16 (float32: the 1.5B weights of the runs in
-    bench/RESULTS.md; bfloat16 builds a large shape without a float32 copy on the GPU)."""
+    bench/history/gpu_loop.md; bfloat16 builds a large shape without a float32 copy on the GPU)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -4,7 +4,7 @@ what dynamic sampling and distillation cost or measured (dropped groups, extra e
 
     python bench/learning_curves.py runs/ds_off runs/ds_on --threshold 0.9
 
-Used for the dynamic-sampling and on-policy-distillation runs of bench/RESULTS.md; it reads
+Used for the dynamic-sampling and on-policy-distillation runs of bench/history/distillation.md; it reads
 ``metrics.jsonl`` only, so it runs on any machine after the runs.
 """
 

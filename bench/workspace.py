@@ -11,7 +11,7 @@ Run: ``python bench/workspace.py`` (a few minutes on 2 CPU cores; ``--quick`` fo
 4. ``--concurrency`` workspaces at once (threads, as rollout actors drive envs): each created, ``--calls``
    calls (tests, an edit, tests), snapshot, destroyed; errors counted, calls/s, peak memory.
 
-Goals (issue 32): create < 50 ms, bash call p50 < 30 ms, 64 concurrent workspaces without errors.
+Goals: create < 50 ms, bash call p50 < 30 ms, 64 concurrent workspaces without errors.
 """
 
 from __future__ import annotations

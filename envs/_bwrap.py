@@ -20,7 +20,7 @@ What the sandboxed program gets (the kernel enforces all of it, nothing here run
   faults and the kernel's limit signals still end it.
 
 Each bind costs bwrap a mount and a parse of the mount table, so there are as few as the layout allows
-(bench/RESULTS.md has the breakdown of a run's CPU time). This module knows nothing of limits or results
+(bench/history/sandbox.md has the breakdown of a run's CPU time). This module knows nothing of limits or results
 (``sandbox.py``) or of what runs inside (``_sandbox_child.py``).
 """
 

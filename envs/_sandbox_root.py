@@ -8,7 +8,7 @@ empty files over which bwrap binds the host's ``null``, ``zero`` and ``urandom``
 hard links to the host's (copies where a link is not allowed), owned by the caller, in directories that
 the sandbox uid can traverse, so the sandbox needs one read-only bind of the tree as ``/`` instead of one
 bind per directory plus a bind of the entry script per run (each bind is a mount and a parse of the
-mount table inside bwrap; see bench/RESULTS.md).
+mount table inside bwrap; see bench/history/sandbox.md).
 
 Built under ``/var/cache/agentrl-sandbox`` (root) or ``$XDG_CACHE_HOME/agentrl-sandbox`` (other users),
 named by a hash of everything it holds (interpreter, libraries, entry script), so a new interpreter or

@@ -260,7 +260,7 @@ def _config(tmp_path) -> list[str]:
 
 
 def test_engine_killed_without_staged_weights_gets_the_current_ones(tiny_model_dir, tmp_path):
-    """The GPU chaos run's second fault on CPU (issue 33): the engine SIGKILLed while the driver
+    """The GPU chaos run's second fault on CPU: the engine SIGKILLed while the driver
     waits for a batch, restarted by Ray with nothing staged for it (as under CUDA IPC or NCCL,
     which stage no weights), so it comes up with its start weights. Strictly on-policy
     (``max_staleness=0``): only groups it samples can make the next batch. The driver must load

@@ -1,6 +1,6 @@
 """train.deterministic: the same seed trains on the same batches whatever the machine's speed.
 
-What async timing decides, and what this mode fixes (bench/RESULTS.md, issue 35): which tasks form a
+What async timing decides, and what this mode fixes (bench/history/quickstart.md): which tasks form a
 batch (on-policy, one rollout actor: exactly the tasks admitted under that version, listed in task
 order), which weights made the tokens (max_staleness 0: the version the batch trains from), and
 which tokens a request samples (rollout.sampling_seed: the request's own seed, not the engine's

@@ -316,8 +316,8 @@ def test_a_token_past_the_vocab_limit_is_a_clear_error_before_any_gpu_work():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_packed_logprobs_and_their_backward_never_wait_for_the_gpu():
     # The learner's micro-batch (host batch in, logprobs, loss, backward) queues its kernels
-    # without reading anything back, so the host runs ahead of the GPU (bench/RESULTS.md,
-    # eleventh session: 25 syncs a micro-batch left the H100 idle 20 % of a learner step).
+    # without reading anything back, so the host runs ahead of the GPU (25 syncs a micro-batch
+    # once left the H100 idle 20 % of a learner step at 1.5B: bench/history/lora.md).
     model = _tiny_qwen2(torch.bfloat16, seed=3).cuda()
     seqs = [torch.randint(0, VOCAB - 6, (n,)).tolist() for n in (300, 17, 129, 1, 64)]
     batch = pack_sequences(seqs, {"adv": [[1.0] * len(s) for s in seqs]}, pad_multiple=8)

@@ -1,4 +1,4 @@
-"""The package's import graph: no cycles, and floors that match roles (DESIGN.md's layout).
+"""The package's import graph: no cycles, and floors that match roles (no layer imports one above it).
 
 Imports are read from the source with ``ast``, not by importing. What counts as an edge:
 
@@ -133,7 +133,7 @@ def test_cycle_finder_sees_a_loop_of_deferred_imports(tmp_path):
 
 def test_floors_match_roles():
     """The driver imports helpers, never the other way; core knows nothing of Ray; envs nothing
-    of Ray or vLLM (DESIGN.md, STYLE.md)."""
+    of Ray or vLLM, so each layer loads and tests without what sits above it."""
     modules = package_modules()
     graph = import_graph(modules)
     importers_of_trainer = {m for m, deps in graph.items() if "agentrl.trainer" in deps}

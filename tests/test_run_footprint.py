@@ -1,4 +1,4 @@
-"""What a run leaves in Ray's GCS and the temp dir (issue 33): the trainer starts Ray with a bound on
+"""What a run leaves in Ray's GCS and the temp dir: the trainer starts Ray with a bound on
 the tasks' events its GCS keeps (with Ray's default of 100,000, gcs_server grew to ~330 MiB in an
 hour's soak run); the engines' compile cache is shared across their restarts and goes at shutdown."""
 

@@ -1,4 +1,4 @@
-"""tools/ holds diagnostics, bench/ benchmarks (STYLE.md): each diagnostic says which question it answers."""
+"""tools/ holds diagnostics, bench/ benchmarks: each diagnostic says which question it answers."""
 
 import ast
 from pathlib import Path

@@ -18,7 +18,7 @@ prompt, ``--turns`` sampled turns, tool outputs between them). It times ``train_
 The ``torch_full`` and ``torch_lora`` variants build the torch learner instead (a random
 Qwen2.5-1.5B-shaped checkpoint written to ``--workdir``; LoRA rank ``--rank`` on every projection,
 PEFT, as ``learner.lora`` trains it), to see where a LoRA step's time goes against full fine-tuning's
-(issue 31: the LoRA learner processed 13 % fewer tokens/s than full fine-tuning at 1.5B);
+(the LoRA learner once processed 13 % fewer tokens/s than full fine-tuning at 1.5B);
 ``torch_lora_peft`` is LoRA through PEFT's own layer forward instead of agentrl's fused one
 (``agentrl.lora.fuse_adapters``), ``torch_lora_autograd`` the fused forward with autograd's backward
 instead of the fused one (``agentrl.lora.FUSED_BACKWARD``). Every variant also lists its longest GPU

@@ -1,4 +1,4 @@
-"""Question: what makes Ray's gcs_server RSS and the run's temp dir grow when actors are killed and restarted (issue 33)?
+"""Question: what makes Ray's gcs_server RSS and the run's temp dir grow when actors are killed and restarted?
 
 Starts a local Ray cluster the way the trainer does (agentrl.trainer.ray_init_kwargs, in a temp dir
 of its own given as TMPDIR and RAY_TMPDIR, as bench/soak.py does), makes one actor with the

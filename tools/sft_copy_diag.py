@@ -1,4 +1,4 @@
-"""Question: how fast does SFT teach the quickstart's tiny model to copy numbers (bench/RESULTS.md, Quickstart)?
+"""Question: how fast does SFT teach the quickstart's tiny model to copy numbers (bench/history/quickstart.md)?
 
 Trains the tiny model on Calculator demonstrations and prints, every 50 steps, per-token loss and
 the share of tokens above p=0.5 on 64 held-out tool-using demonstrations (teacher-forced), split into

@@ -144,7 +144,7 @@ class VLLMEngine:
             # On CPU vLLM otherwise runs the model in a worker process of its own, beside the
             # engine-core process, and the two exchange every step through a spinning shared-memory
             # queue. One process (the "uni" executor) leaves that CPU to the rollouts and the
-            # learner: ~1.5x the trajectories/s of the async pipeline on 2 cores (bench/RESULTS.md).
+            # learner: ~1.5x the trajectories/s of the async pipeline on 2 cores (bench/history/async_vs_sync.md).
             # Set VLLM_ENABLE_V1_MULTIPROCESSING=1 to get the worker process back.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")

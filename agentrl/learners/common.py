@@ -267,7 +267,7 @@ PEAKS = PeakByPhase()  # one learner per process: its phases' peaks (learners an
 class StartClock:
     """Seconds from the start of a learner's build to each named point of it (CUDA and
     torch.distributed up, the model built, its weights read and loaded, the optimizer made, ...):
-    where a run's start-up goes, which a GPU session pays for each run. The first time a name is
+    where a run's start-up goes, which a GPU run pays each time. The first time a name is
     marked counts; :meth:`restart` begins a new build."""
 
     def __init__(self) -> None:

@@ -322,7 +322,7 @@ FUSED_HEAD = True
 (:func:`agentrl.learners.megatron.logprobs.vocab_parallel_logprobs` with ``fused=True``): the
 float32 ``[chunk, vocab]`` logits and their elementwise passes stay in registers instead of memory
 (those passes were among the longest kernels of the torch learner's step at 1.5B on the H100:
-bench/RESULTS.md, eleventh session). False: :func:`chunked_logprobs` everywhere."""
+bench/history/lora.md, 2026-11-28). False: :func:`chunked_logprobs` everywhere."""
 
 
 def _fused_head(hidden: torch.Tensor, weight: torch.Tensor) -> bool:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build, on the CPU machine, the peers' wheels for the GPU machine (Python 3.12, torch 2.11,
-# transformers 5.17 on its image; vLLM 0.26.0 and Ray come with ../shared/device/vllm's chunks).
-# Pinned versions; only what the device image lacks (../shared/device/peers.md):
+# transformers 5.17 on its image; vLLM 0.26.0 and Ray come with the vLLM carry's chunks).
+# Pinned versions; only what the device image lacks (its pip freeze has the rest):
 #   DIR/trl/     trl 1.16.0, datasets 5.2.0, multiprocess 0.70.19               (~3 MB)
 #   DIR/verl/    verl 0.9.1, its own transformers 5.9.0 (verl wants <5.11) with tokenizers 0.22.2
 #                (transformers 5.9 refuses the image's tokenizers 0.23.2 at import), and what its

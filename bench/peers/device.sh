@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The peer harness on the GPU machine (bench/peers/README.md). First the three-call carry of vLLM and
-# Ray into /tmp/site (../shared/device/vllm/README.md); then, from the repo root, steps in any order:
+# Ray into /tmp/site (vLLM 0.26.0 and Ray 2.60.0 wheels, built in .carry/c1-c3 for a GPU image without them); then, from the repo root, steps in any order:
 #   bash bench/peers/device.sh trl-install                # the call that carries .peers/trl
 #   bash bench/peers/device.sh verl-install verl:multi:recommended   # the call that carries .peers/verl
 #   bash bench/peers/device.sh agentrl:multi:recommended,like trl:multi:recommended

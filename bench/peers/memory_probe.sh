@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Where agentrl's GPU memory goes at TRL's memory settings (issue 29), after the three-call carry:
+# Where agentrl's GPU memory goes at TRL's memory settings, after the three-call carry:
 # the GPU tests of the memory tools, then agentrl:multi:memory once per variant; each run's result
 # (learner_memory_gib: allocator peaks by phase, `outside_*` = the driver's count for the learner's
 # process beyond its allocator; engine_memory_gib; gpu_processes_gib) under $OUT/<run>/peers.json.

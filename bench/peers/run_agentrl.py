@@ -64,7 +64,7 @@ def overrides(args: argparse.Namespace, wl, model: str, texts_file: str, setting
     colocated = wl.name.startswith("long") and not args.cpu
     out = [
         # as verl samples (its vLLM server masks the logits past len(tokenizer)): only the tokenizer's
-        # ids, trained on the same masked distribution (bench/RESULTS.md, "Peers harness, 2026-11-27")
+        # ids, trained on the same masked distribution (bench/history/peers.md, 2026-11-27)
         f"model.path={model}", "model.bootstrap_tiny=false", "model.tokenizer_vocab_only=true", f"run_dir={args.workdir}/run-{wl.name}-{setting}", "sft.enabled=false",
         f"env.id={ENV_ID}",
         f"env.kwargs={{texts_file: '{texts_file}', tool_calls: {wl.tool_calls}, latency_s: {wl.tool_latency_s}, "

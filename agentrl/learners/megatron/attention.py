@@ -35,7 +35,7 @@ __all__ = ["AUTO_SDPA_MEAN_DOC_TOKENS", "PackedAttentionParams", "PackedCoreAtte
 AUTO_SDPA_MEAN_DOC_TOKENS = 8192
 """``attention=auto`` runs a micro-batch with SDPA when its documents average at least this many
 tokens, with FlexAttention otherwise. Qwen2.5-1.5B heads, bf16, H200, torch 2.11 (SDPA picks cuDNN),
-forward+backward (bench/attention.py, bench/RESULTS.md "Nineteenth session", "Twentieth session"):
+forward+backward (bench/attention.py, 2026-11-29: bench/history/peers_long.md):
 on one document of 4k-128k tokens SDPA takes 1/1.4-1/1.9 of FlexAttention's time; packed documents
 of 16k (4 in 64k) 1/1.3; but at 4k a document the two tie (1.10x SDPA with 4 in 16k, 0.73x with 16
 in 64k, where one block-sparse call beats 16 kernel launches a layer), and shorter ones are

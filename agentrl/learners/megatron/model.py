@@ -57,7 +57,7 @@ def activation_bytes_per_token(shape: ModelShape, *, layers: int, tp: int = 1, e
     The last stage's head adds its hidden state and, with ``keep_grad_logits``, d logp / d logits
     (a vocabulary row). At the Qwen2.5-1.5B shape this gives 2.68 MB a token with the kept logits,
     7 % above what the H200 measured: 2.50 (the step's peak less the static state, 77.4 GiB, over
-    33,279 tokens; bench/RESULTS.md, "Sixteenth session")."""
+    33,279 tokens on 2026-11-29: bench/history/peers.md)."""
     h, f = shape.hidden_size, shape.ffn_hidden_size
     per_layer = 7 * h + (3 * h + 3 * f) // max(tp, 1)
     total = layers * per_layer

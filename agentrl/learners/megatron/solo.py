@@ -4,7 +4,7 @@ Megatron-Core needs ``torch.distributed`` even on one GPU: it makes a few dozen 
 collectives on them (the DDP gradient all-reduce, the grad-norm all-reduce, our metric gathers).
 Over NCCL each group a collective touches gets a communicator, and on one rank NCCL still allocates
 its buffers: 2.4 GiB of the one-rank learner's process sat outside its allocator after the first
-step on the H200 (bench/RESULTS.md, "Thirteenth session"; NVIDIA/nccl issue 2363 for the 512 MiB
+step on the H200 (bench/history/peers.md, 2026-11-28; NVIDIA/nccl issue 2363 for the 512 MiB
 NET pool of a one-rank communicator).
 
 In a world of one process every collective has a closed form: a reduction of one contribution is
