@@ -10,7 +10,7 @@ listed with the last line of its reason.
 
 ``--combine`` pools the timed steps of the runs of one system, setting and workload into one row
 (each run after its own warm-up; trained tokens over wall time summed over every timed step): a
-row of >= 5 timed steps from runs too long for one device session (TRL's steps at 256k), on one
+row of >= 5 timed steps from runs too long for one device allowance (TRL's steps at 256k), on one
 kind of device and one set of versions, or it refuses. A run stopped by its limit (``cut``) brings
 the timed steps it finished whole; the step it was in when stopped was never counted.
 """
