@@ -129,6 +129,7 @@ def test_teacher_must_be_a_model_with_the_students_tokenizer(tiny_model_dir, tin
 
 
 @pytest.mark.slow
+@pytest.mark.full  # distillation: the teacher run below
 def test_teacher_engine_scores_the_students_tokens_in_multi_turn_episodes(tiny_model_dir, tmp_path):
     """Two tiny models (student and a differently seeded teacher) served by real vLLM engine
     actors; multi-turn episodes with tool observations between the turns. The teacher's
