@@ -1,4 +1,4 @@
-.PHONY: setup quickstart test test-fast docs docs-serve
+.PHONY: setup quickstart test test-all test-fast docs docs-serve
 
 setup:
 	@bash scripts/setup_venv.sh
@@ -7,8 +7,14 @@ setup:
 quickstart: setup
 	.venv/bin/agentrl train configs/quickstart.yaml
 
+# The default tier: every path end to end once (train, resume, engine death, endpoint, LoRA, long
+# context, chaos, distillation, sandbox, docs); tests marked `full` repeat a path and wait for test-all.
 test: setup
-	.venv/bin/python -m pytest -q
+	.venv/bin/python -m pytest -q -m "not full" --durations=15
+
+# The whole suite, the `full` tier included.
+test-all: setup
+	.venv/bin/python -m pytest -q --durations=15
 
 # Everything but the Ray/vLLM end-to-end runs.
 test-fast: setup

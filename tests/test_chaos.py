@@ -219,6 +219,7 @@ def _children(proc: psutil.Process, name: str) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.full  # resume: test_interrupt_and_resume_continues
 def test_learner_killed_mid_step_stops_with_its_cause_and_resume_continues(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     steps = 8  # the kill lands at step 3 or 4, past the step-2 checkpoint (0.5 s a step on a quiet machine)
@@ -259,6 +260,7 @@ def _config(tmp_path) -> list[str]:
     return [str(cfg)]
 
 
+@pytest.mark.full  # engine death: the chaos run's frozen engine
 def test_engine_killed_without_staged_weights_gets_the_current_ones(tiny_model_dir, tmp_path):
     """The GPU chaos run's second fault on CPU: the engine SIGKILLed while the driver
     waits for a batch, restarted by Ray with nothing staged for it (as under CUDA IPC or NCCL,

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 STEPS = 30  # enough that the node goes while training still has work left (a step takes ~0.5 s)
 
 
+@pytest.mark.full  # engine death: the chaos run's frozen engine
 def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
     import ray
     from ray.cluster_utils import Cluster

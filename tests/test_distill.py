@@ -129,6 +129,7 @@ def test_teacher_must_be_a_model_with_the_students_tokenizer(tiny_model_dir, tin
 
 
 @pytest.mark.slow
+@pytest.mark.full  # distillation: the teacher run below
 def test_teacher_engine_scores_the_students_tokens_in_multi_turn_episodes(tiny_model_dir, tmp_path):
     """Two tiny models (student and a differently seeded teacher) served by real vLLM engine
     actors; multi-turn episodes with tool observations between the turns. The teacher's
@@ -217,7 +218,8 @@ def test_config_refuses_a_teacher_ray_cannot_place():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("top_k", [0, 3])
+# top_k=0 runs the same path without the dense top-k term
+@pytest.mark.parametrize("top_k", [pytest.param(0, marks=pytest.mark.full), 3])
 def test_train_with_a_teacher_and_dynamic_sampling(tiny_model_dir, tmp_path, top_k):
     """The trainer end to end: a teacher engine actor beside the student's, two learner steps of
     distillation plus task reward with dynamic sampling; every batch is full and scored, and the

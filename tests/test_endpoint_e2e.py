@@ -207,7 +207,8 @@ async def summarizing_agent(client, task):
     return 1.0
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+# workers=2: the agent worker processes are tested against an endpoint in test_agent_pool
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.full)])
 def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path, workers):
     """`Trainer` with agent.solve: rollout actors serve the endpoint, the Agents SDK agent makes
     the requests (streamed on some tasks: the engine actor's streaming generator through Ray),

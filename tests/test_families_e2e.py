@@ -50,6 +50,7 @@ def test_model_family_key_bootstraps_that_family(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the train path on a second family; its chat format has unit tests
 def test_llama3_trains_three_steps_with_refits(tiny_family_dir, tmp_path):
     """Three learner steps with a refit after each on a tiny Llama 3 (header tokens, <|eot_id|>
     ends turns while the tokenizer's EOS is <|end_of_text|>): engine and learner agree after refits."""

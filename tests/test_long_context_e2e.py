@@ -146,6 +146,7 @@ def test_long_episode_with_a_refit_inside_trains_as_sampled(model_16k, ray_local
         ray.kill(actor)
 
 
+@pytest.mark.full  # long context: the long episode test; the recipe parses in test_config
 def test_long_context_16k_config_builds_its_actors_on_cpu(model_16k, ray_local, tmp_path):
     """The GPU recipe, with the GPU sizes swapped for CPU ones by overrides: parses, validates
     (its Megatron section included) and builds engine, learner, replay and rollout actors. The

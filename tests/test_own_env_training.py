@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 TRAIN = ["sft.enabled=false", "train.num_steps=2", "rollout.max_turns=3"]
 
 
+@pytest.mark.full  # `agentrl train` as a subprocess: test_interrupt_and_resume_continues
 def test_agentrl_train_on_the_readme_env(tiny_model_dir, tmp_path):
     """The command of docs/guides/training-your-env.md, run as a user would: the console script,
     from the project directory, with no PYTHONPATH."""
@@ -37,6 +38,7 @@ def test_agentrl_train_on_the_readme_env(tiny_model_dir, tmp_path):
     assert "held-out evaluation" in proc.stdout
 
 
+@pytest.mark.full  # a multi-node train run; the runtime_env's py_modules have unit tests
 def test_cluster_nodes_get_the_env_module_through_the_runtime_env(tiny_model_dir, tmp_path, monkeypatch):
     import ray
     from ray.cluster_utils import Cluster

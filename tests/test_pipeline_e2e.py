@@ -198,6 +198,7 @@ def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     assert resumed[0]["replay/consumed"] == 2 * (k + 1)
 
 
+@pytest.mark.full  # engine death: the chaos run's frozen engine and test_engine_actor's restart
 def test_engine_killed_mid_run_training_continues(tiny_model_dir, tmp_path):
     """Kill the engine actor after step 2: Ray restarts it, it loads the current weights before
     taking work, episodes it was serving are dropped and counted, and training finishes."""
@@ -279,6 +280,7 @@ def mean_abs_diff(a: list[float], b: list[float]) -> float:
     return sum(abs(x - y) for x, y in zip(a[1:], b[1:])) / (len(a) - 1)
 
 
+@pytest.mark.full  # the broadcast transport runs end to end in test_lora_e2e's nccl case
 def test_broadcast_refit_transport_on_cpu(tiny_model_dir, tmp_path):
     """refit.transport=nccl runs its protocol over gloo on CPU: the learner's rank 0 and the vLLM
     engine's worker form a group of their own, weights travel as one flat buffer, and afterwards
@@ -303,6 +305,7 @@ def test_broadcast_refit_transport_on_cpu(tiny_model_dir, tmp_path):
     assert agree < 1e-3, f"engine and learner logprobs differ after a broadcast refit (mean abs {agree:.2e})"
 
 
+@pytest.mark.full  # two more train runs; train.deterministic's seeds and order: test_deterministic
 def test_deterministic_runs_train_on_the_same_batches_at_any_concurrency(tiny_model_dir, tmp_path):
     """train.deterministic: two runs of one seed whose engine sees other batch-mates and other timing
     (one group generated at a time vs two at once) consume the same batches and end with bit-identical
@@ -339,6 +342,7 @@ def test_deterministic_runs_train_on_the_same_batches_at_any_concurrency(tiny_mo
     assert w_a.keys() == w_b.keys() and all(w_a[k].equal(w_b[k]) for k in w_a), "the weights differ"
 
 
+@pytest.mark.full  # a signal's stop: test_interrupt_and_resume_continues (SIGINT)
 def test_sigterm_stops_the_run_as_ctrl_c_does(tiny_model_dir, tmp_path):
     """A SIGTERM (kill, timeout, a job scheduler) while it trains: the run shuts down as on Ctrl-C,
     so no process of its tree outlives it and no temp file of its engines is left. Before the fix,

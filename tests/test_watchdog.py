@@ -182,6 +182,7 @@ def test_a_long_evaluation_that_samples_is_not_a_stall(ray_local, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # the watchdog in a run: the chaos run
 def test_a_healthy_slow_run_raises_no_alarm(tiny_model_dir, tmp_path):
     """Slow tools (0.5-1.5 s a call), long trajectories (a slow learner step) and tight watchdog
     settings (floor 5 s, 4x the recent 0.9 quantile): deadlines follow the run, none fires."""
