@@ -31,11 +31,12 @@ def _device_sh(tmp_path, runner_extra=""):
         "p.add_argument('--out'); p.add_argument('--workdir'); p.add_argument('--steps', type=int)\n"
         "p.add_argument('--warmup', type=int, default=1); p.add_argument('--group-size', type=int, default=8)\n"
         "p.add_argument('--prompts-per-step', type=int, default=2)\n"
+        "p.add_argument('--tool-latency', type=float, default=None)\n"
         "a = p.parse_args()\n"
         "n = int(a.workload[4:-1])\n"
         + runner_extra +
         "status = 'ok' if n < 32 else 'oom'\n"
-        "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps,\n"
+        "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps, 'lat': a.tool_latency,\n"
         "                              'batch': [a.warmup, a.group_size, a.prompts_per_step]}))\n"
         "raise SystemExit(0 if status == 'ok' else 1)\n")
     env = {**os.environ, "DEVICE_SITE": str(tmp_path / "site"), "PEERS_RUNNERS": str(runners),
@@ -229,3 +230,28 @@ def test_device_gpu_queue_ends_only_the_leftovers_its_own_runs_started(tmp_path)
         for p in procs.values():
             p.kill()
             p.wait()
+
+
+def test_device_run_steps_carry_a_tool_latency_and_a_repeated_step_keeps_every_log(tmp_path):
+    """SYSTEM:WORKLOAD:SETTINGS[:gGpP][wWsS][:latS]: a step's own tool latency and warm-up/timed steps
+    go to its runner after PEER_ARGS (so they win); an interleaved repeat of one pair in one queue
+    (A B A B) writes a log a run (-2 for the second), none overwriting an earlier one."""
+    import subprocess
+
+    work, env = _device_sh(tmp_path)
+    steps = ["agentrl:long16k:like:lat0", "agentrl:long24k:like:w2s4:lat0.5", "agentrl:long16k:like:lat0",
+             "agentrl:long24k:like:w2s4:lat0.5"]
+    proc = subprocess.run(["bash", "bench/peers/device.sh", *steps], cwd=work, timeout=120, capture_output=True, check=False,
+                          text=True, env={**env, "PEER_ARGS": "--steps 1 --tool-latency 0.1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = tmp_path / "out"
+    logs = sorted(f.name for f in out.glob("*.log"))
+    assert logs == ["agentrl-long16k-lat0-2.log", "agentrl-long16k-lat0.log", "agentrl-long24k-lat0.5-2.log",
+                    "agentrl-long24k-lat0.5.log"], logs
+    for name in ("agentrl-long16k-lat0.log", "agentrl-long16k-lat0-2.log"):
+        assert '"steps": 1, "lat": 0.0, "batch": [1, 8, 2]' in (out / name).read_text()  # PEER_ARGS' steps
+    assert '"steps": 4, "lat": 0.5, "batch": [2, 8, 2]' in (out / "agentrl-long24k-lat0.5-2.log").read_text()
+    assert proc.stdout.count("== agentrl:long16k:like-lat0 ") == 2
+    bad = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:like:latency0"], cwd=work, timeout=60,
+                         capture_output=True, text=True, env=env, check=False)
+    assert bad.returncode == 2 and "'latency0' in 'agentrl:long16k:like:latency0' is not" in bad.stdout, bad.stdout

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from bench.peers.common import Result, write_result
+from bench.peers.common import Result, tool_latency, write_result
 from bench.peers.table import table
 
 
@@ -23,20 +23,23 @@ def test_table_prints_ratios_against_agentrl_and_the_reason_of_a_failed_run(tmp_
     assert [r["system"] for r in rows] == ["agentrl", "agentrl", "trl", "trl"]
     text = table(rows)
     trl_row = next(line for line in text.splitlines() if line.startswith("multi") and " trl " in line and "ok" in line)
-    assert "3.00×, 1.50×" in trl_row
+    # agentrl's async recommended over TRL's recommended, and agentrl's on-policy like over it: each
+    # ratio named by both settings and both modes
+    assert "rec/rec (async s≤2 / on-policy): 3.00×; like/rec (on-policy / on-policy): 1.50×" in trl_row, trl_row
     assert "oom: asked 9 GiB" in text  # CUDA's message: what was asked (and free), not its last words
     long = "OutOfMemoryError: CUDA out of memory. Tried to allocate 6.56 GiB. GPU 0 has a total capacity of 139.80 GiB " \
            "of which 6.07 GiB is free. See https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory"
     assert "oom: asked 6.56 GiB, 6.07 GiB free" in table([{**rows[3], "reason": long}])
     assert "error: exit 1: KeyError: 'x'" in table([{**rows[3], "status": "error", "reason": "log\nexit 1: KeyError: 'x'"}])
     md = table(rows, markdown=True)
-    assert md.splitlines()[0].startswith("| workload |") and md.count("\n") == 5
+    assert md.splitlines()[0].startswith("| workload |") and md.count("\n") == 5, md
     # a run on one GPU of a host of several (device.sh GPU=N) says which: another may have run beside it
-    beside = mk("trl", "sleep", 800.0, extra={"gpu": {"nvml_index": 1, "host_gpus": 2}})
+    beside = mk("trl", "sleep", 800.0, extra={"gpu": {"nvml_index": 1, "host_gpus": 2}}, device=rows[0]["device"])
     from dataclasses import asdict
 
     line = next(ln for ln in table([*rows, asdict(beside)]).splitlines() if " sleep " in ln)
-    assert "sleep (GPU 1 of 2)" in line and "3.75×, 1.88×" in line, line  # agentrl's settings over this row
+    # TRL's sleep setting has no agentrl namesake: agentrl's like (on-policy, as TRL is) over it
+    assert "sleep (GPU 1 of 2)" in line and "like/sleep (on-policy / on-policy): 1.88×" in line, line
 
 
 def test_combine_pools_the_timed_steps_of_runs_of_one_row_and_refuses_other_devices():
@@ -120,7 +123,8 @@ def test_combine_keeps_runs_with_other_overrides_and_probes_apart():
     text = table(rows)
     assert text.count("recommended +learner.megatron.recompute_keeps_attention=true") == 2
     trl_line = next(ln for ln in text.splitlines() if " trl " in ln)
-    assert "2.00×, –×, 2.50×" in trl_line, trl_line  # rec: the plain run (400); best: the kept runs (500)
+    # rec: the plain run (400); best: the kept runs (500)
+    assert "rec/rec (async s≤2 / on-policy): 2.00×" in trl_line and "best recommended/recommended: 2.50×" in trl_line, trl_line
 
 
 def test_a_pooled_row_names_the_gpus_its_runs_had():
@@ -136,3 +140,117 @@ def test_a_pooled_row_names_the_gpus_its_runs_had():
 
     (pooled,) = combine([run(0), run(1)])
     assert "sleep (GPU 0, 1 of 2)" in table([pooled])
+
+
+def _row(system, setting, tput, latency=0.5, device="NVIDIA H100 80GB HBM3", versions=None, **kw):
+    """A finished multi-turn result as the runners write it (workload_spec carries the tool latency)."""
+    return {"system": system, "setting": setting, "workload": "multi", "status": "ok", "steps": 8,
+            "trained_tokens_per_step": 35_000.0, "trained_tokens_per_s_per_gpu": tput, "step_time_s": 35_000.0 / tput,
+            "reward_curve": [0.5], "device": device, "date": "2026-12-07",
+            "versions": versions or {"trl": "1.16.0"}, "episode_tokens": 1100.0,
+            "workload_spec": {"name": "multi", "tool_calls": 3, "tool_latency_s": latency}, "extra": {}, **kw}
+
+
+def _line(text, *words):
+    return next(ln for ln in text.splitlines() if all(w in ln for w in words))
+
+
+def test_rows_pair_only_within_one_tool_latency_device_and_file():
+    """agentrl at tool latency 0 is never divided by TRL at 0.5 (TRL runs a completion's tool calls one
+    after another: its speed depends on the latency), nor a run on an H200 by one on an H100, nor a
+    row of one device call by one of another unless --combine made them one set; the setting cell
+    names the latency."""
+    fast = _row("agentrl", "like", 9000.0, latency=0.0)
+    slow_trl = _row("trl", "like", 700.0, latency=0.5)
+    text = table([fast, slow_trl])
+    assert "like, tool 0 s" in text and "like, tool 0.5 s" in text
+    assert "like/like" not in text  # no pair: different latencies
+    trl_fast = _row("trl", "like", 6000.0, latency=0.0)
+    assert "like/like (on-policy / on-policy): 1.50×" in _line(table([fast, slow_trl, trl_fast]), " trl ", "tool 0 s")
+    assert "like/like" not in table([fast, _row("trl", "like", 6000.0, latency=0.0, device="NVIDIA H200")])
+    # two result files (two calls): rows pair within each; --combine's one set pairs across them
+    assert "like/like" not in table([{**fast, "_set": "a.json"}, {**trl_fast, "_set": "b.json"}])
+    assert "like/like" in table([{**fast, "_set": "combined"}, {**trl_fast, "_set": "combined"}])
+
+
+def test_load_tags_rows_with_their_file(tmp_path):
+    from bench.peers.table import load
+
+    (tmp_path / "a.json").write_text(json.dumps([_row("agentrl", "like", 9000.0)]))
+    (tmp_path / "b.json").write_text(json.dumps([_row("trl", "like", 6000.0)]))
+    rows = load([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert [r["_set"] for r in rows] == [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert "like/like" not in table(rows)
+
+
+def test_like_is_divided_by_like_and_recommended_by_recommended_with_both_modes_named():
+    """On TRL's like row agentrl's like over it (on-policy over on-policy), on its recommended row
+    agentrl's recommended (async, max_staleness 2) over it, each ratio named by both settings and modes;
+    verl's rows say its trainer is sync."""
+    rows = [_row("agentrl", "recommended", 12_000.0, extra={"config": {"max_staleness": 2}}),
+            _row("agentrl", "like", 6000.0, extra={"config": {"max_staleness": 0}}),
+            _row("trl", "recommended", 1000.0), _row("trl", "like", 1200.0), _row("verl", "recommended", 2000.0)]
+    text = table(rows)
+    trl_like = _line(text, " trl ", " like, tool")
+    assert "like/like (on-policy / on-policy): 5.00×" in trl_like and "rec/" not in trl_like, trl_like
+    trl_rec = _line(text, " trl ", " recommended, tool")
+    assert "rec/rec (async s≤2 / on-policy): 12.00×" in trl_rec and "like/rec (on-policy / on-policy): 6.00×" in trl_rec
+    verl = _line(text, " verl ")
+    assert "on-policy (sync)" in verl and "rec/rec (async s≤2 / on-policy (sync)): 6.00×" in verl, verl
+    assert _line(text, " agentrl ", " recommended, tool").count("async s≤2") == 1
+
+
+def test_repeated_runs_of_a_pair_are_matched_in_order_and_give_their_spread():
+    """An interleaved queue (agentrl, TRL, agentrl, TRL, agentrl, TRL) in one file: every run is
+    printed (none replaces an earlier one), each TRL run is divided by the agentrl run of its place,
+    and the block below gives min / median / max of the three ratios; a spread across 1.0 is a tie."""
+    a = [_row("agentrl", "like", t) for t in (3000.0, 3300.0, 2700.0)]
+    b = [_row("trl", "like", t) for t in (1000.0, 1500.0, 900.0)]
+    rows = [a[0], b[0], a[1], b[1], a[2], b[2]]
+    text = table(rows)
+    table_rows = [ln for ln in text.splitlines() if ln.startswith("multi ")]
+    assert sum(" agentrl " in ln for ln in table_rows) == 3 and sum(" trl " in ln for ln in table_rows) == 3
+    assert "like/like (on-policy / on-policy): 2.20×" in _line(text, " trl ", "1,500")  # 3300 / 1500
+    assert "3 pairs: 2.20/3.00/3.00× (min/med/max of 3)" in text, text
+    close = [_row("agentrl", "like", t) for t in (1000.0, 980.0, 1040.0)]
+    peer = [_row("trl", "like", t) for t in (990.0, 1000.0, 1000.0)]
+    text = table([x for pair in zip(close, peer) for x in pair])
+    assert "0.98/1.01/1.04× (min/med/max of 3) tie" in text, text
+    # one agentrl run against three TRL runs: each TRL run against it (the spread is TRL's alone)
+    assert "3 pairs: 2.00/3.00/3.33×" in table([a[0], *b])
+
+
+def test_combined_repeats_keep_each_runs_ratio_and_tool_latencies_apart():
+    """--combine pools the repeats of one system and setting into a row, but its ratio still comes
+    from the runs paired in order (their spread kept); runs at another tool latency are another row."""
+    from bench.peers.table import combine
+
+    def run(system, tput, latency=0.0):
+        walls = [40.0, 5.0] + [35_000.0 / tput] * 8
+        return _row(system, "like", tput, latency=latency, extra={"step_walls_s": walls})
+
+    rows = combine([run("agentrl", 3000.0), run("trl", 1000.0), run("agentrl", 3300.0), run("trl", 1500.0),
+                    run("agentrl", 2700.0), run("trl", 900.0), run("trl", 100.0, latency=0.5)])
+    assert len(rows) == 3 and sorted(tool_latency(r) for r in rows if r["system"] == "trl") == [0.0, 0.5]
+    text = table([{**r, "_set": "combined"} for r in rows])
+    assert "24 (3 runs)" in text and "3 pairs: 2.20/3.00/3.00× (min/med/max of 3)" in text, text
+
+
+def test_mfu_is_one_formula_for_every_system_beside_each_peers_own_meter():
+    """MFU = (6·N + 6·L·d·s) · tokens/s / the GPU's bf16 peak for every row; verl's perf/mfu/actor and
+    TRL's own tokens over its step_time are printed as they report them; a run whose first timed step
+    was short of its median (an async pipeline filled in the warm-up) is marked."""
+    from bench.peers.common import harness_mfu, train_flops
+
+    mine = _row("agentrl", "like", 10_000.0, extra={"steady": {"first_over_median": 0.45, "steady": False}})
+    verl = _row("verl", "recommended", 2000.0, extra={"own": {"mfu_actor": 0.231, "tokens_per_s": 2100.0}})
+    trl = _row("trl", "like", 1000.0, extra={"own": {"tokens_per_s": 950.0, "step_time_median_s": 30.5}})
+    expected = (6 * 1.5436e9 + 6 * 28 * 1536 * 1100.0) * 10_000.0 / 989e12
+    assert harness_mfu(mine) == pytest.approx(expected, rel=1e-3)
+    assert train_flops(1.0, 0.0) == pytest.approx(6 * 1.5436e9, rel=1e-3)
+    assert harness_mfu({**mine, "device": "CPU (x86_64, 2 cores)"}) is None
+    text = table([mine, verl, trl])
+    assert f"{100 * expected:.1f}%" in _line(text, " agentrl ")
+    assert "mfu/actor 0.231, 2,100 tok/s/GPU" in _line(text, " verl ")
+    assert "950 tok/s over step_time 30.5 s" in _line(text, " trl ")
+    assert " 8*" in _line(text, " agentrl ") and " 8*" not in _line(text, " trl ")

@@ -143,6 +143,52 @@ with its engine asleep could reach past 256k. The weights do not depend on it (R
 parameters); vLLM's rotary table grows with it (0.1-0.3 GB), in TRL's engine as in agentrl's."""
 
 
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "H20": 148e12, "A100": 312e12, "A800": 312e12,
+                   "L40S": 362e12, "B200": 2250e12}
+"""Dense bf16 tensor-core peak per GPU (the vendors' data sheets, no sparsity), by a name in the GPU's
+NVML name (``NVIDIA H100 80GB HBM3``); SXM parts (the H100 PCIe's is 756e12)."""
+
+
+def peak_flops(device: str) -> float | None:
+    """The bf16 peak of ``device`` (a result's ``device``), or None where it is not a known GPU."""
+    if "PCIe" in device and "H100" in device:
+        return 756e12
+    for name, flops in PEAK_BF16_FLOPS.items():
+        if re.search(rf"\b{name}\b", device):
+            return flops
+    return None
+
+
+def train_flops(tokens: float, episode_tokens: float, shape: str = "1.5b") -> float:
+    """FLOPs of one training pass (forward and backward) over ``tokens`` in sequences of
+    ``episode_tokens`` each: 6·N·tokens + 6·L·d·s·tokens.
+
+    N is the parameters every token multiplies (each layer's q, k, v, o and MLP matrices, and the LM
+    head; not the embedding lookup), L the layers, d the hidden size, s a sequence's length: causal
+    attention's two matmuls (QKᵀ, AV) take 2·2·s²·d / 2 FLOPs a layer forward, 3× that with the
+    backward, so 6·L·d·s² a sequence = 6·L·d·s a token. The harness's episodes all have one length
+    (every reply min = max tokens), so the mean length stands for each one's."""
+    c = SHAPES[shape]
+    d, L, ff, v = c["hidden_size"], c["num_hidden_layers"], c["intermediate_size"], c["vocab_size"]
+    kv = d // c["num_attention_heads"] * c["num_key_value_heads"]
+    n = L * (2 * d * d + 2 * d * kv + 3 * d * ff) + d * v
+    return 6.0 * n * tokens + 6.0 * L * d * episode_tokens * tokens
+
+
+def harness_mfu(row: dict) -> float | None:
+    """A result's model FLOPs utilization, the same formula for every system: :func:`train_flops` of
+    the trained tokens of the timed steps at the run's mean episode length, over the timed steps'
+    wall time (i.e. of ``trained_tokens_per_s_per_gpu`` tokens a second), over the GPU's bf16 peak
+    (:func:`peak_flops`). It counts the trained tokens' training pass only: generation and extra
+    log-prob passes are time spent, not FLOPs counted (verl's own ``perf/mfu/actor`` counts its
+    actor's update only, over the update's own time, so it reads higher)."""
+    peak = peak_flops(row.get("device") or "")
+    tput, ep = row.get("trained_tokens_per_s_per_gpu"), row.get("episode_tokens")
+    if not (peak and tput and ep) or row.get("status") != "ok":
+        return None
+    return train_flops(tput, ep) / peak
+
+
 def make_model(out: Path, shape: str = "1.5b", max_position_embeddings: int = MAX_POSITIONS) -> str:
     """Random weights of ``shape`` (bf16 on CUDA, fp32 on CPU) with the tiny tokenizer, in HF format.
 
@@ -476,6 +522,32 @@ def write_result(res: Result, out: Path) -> None:
     print("RESULT " + json.dumps(asdict(res)), flush=True)
 
 
+def step_intervals(t0: float, stamps: list[float]) -> list[float]:
+    """Each step's wall time as every runner measures it: the interval between consecutive step ends
+    (``stamps``), the first from ``t0``. A timed step's interval therefore starts where the step
+    before it ended (its refit or weight sync included, as every later step's is), never at a time
+    the runner chose: agentrl's rollouts run before its first step ends, TRL's and verl's do not, so
+    only the steps after a warm-up step compare."""
+    return [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
+
+
+STEADY_FIRST_STEP = 0.6
+"""A run whose first timed step took less than this share of its timed steps' median did not start
+timing in its steady state (an async pipeline that filled during the warm-up: agentrl's first
+step after one warm-up step took 0.4-0.6 of its median, H100/H200 2026-11-25..27); the table
+marks it."""
+
+
+def steady_state(walls: list[float], warmup: int) -> dict[str, float | bool]:
+    """The first timed step against the timed steps' median: ``first_over_median`` and ``steady``
+    (False where the first is below :data:`STEADY_FIRST_STEP` of the median)."""
+    timed = walls[warmup:]
+    if len(timed) < 2:
+        return {}
+    ratio = timed[0] / (statistics.median(timed) or 1e-9)
+    return {"first_over_median": round(ratio, 3), "steady": ratio >= STEADY_FIRST_STEP}
+
+
 def timed_summary(step_walls: list[float], tokens: list[float], generated: list[float], warmup: int) -> dict[str, float]:
     """Median step time and throughputs over the steps after ``warmup``."""
     walls, toks, gens = step_walls[warmup:], tokens[warmup:], generated[warmup:]
@@ -491,14 +563,19 @@ def harness_parser(doc: str, settings: str = "recommended") -> argparse.Argument
     p.add_argument("--workload", type=workload_arg, required=True,
                    help=f"{', '.join(WORKLOADS)}, or longNk: the long workload at ~N x 1,024 tokens an episode")
     p.add_argument("--settings", default=settings)
-    p.add_argument("--steps", type=int, default=5, help="timed steps after the warm-up")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8, help="timed steps after the warm-up")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps first: the engines' first batches, compiles, and an async pipeline's "
+                        "fill (agentrl's first step after one warm-up step ran on rollouts made during it)")
     p.add_argument("--lr", type=float, default=1e-5)
     p.add_argument("--out", default="peers.json")
     p.add_argument("--workdir", default="/tmp/peers")
     p.add_argument("--scale", type=float, default=1.0, help="scale the workload's sizes (CPU checks)")
     p.add_argument("--group-size", type=int, default=0, help="samples per prompt instead of the workload's")
     p.add_argument("--prompts-per-step", type=int, default=0, help="prompts per step instead of the workload's")
+    p.add_argument("--tool-latency", type=float, default=None, metavar="S",
+                   help="seconds each tool call sleeps (0, 0.1, 0.5, ...) instead of the workload's (0.5 for "
+                        "multi and long); recorded in the result's workload_spec.tool_latency_s")
     return p
 
 
@@ -519,7 +596,21 @@ def run_workload(args: argparse.Namespace) -> Workload:
         raise SystemExit(f"--group-size must be >= 2 (GRPO's groups) and --prompts-per-step >= 1: got {group}, {prompts}")
     if (group, prompts) != (wl.group_size, wl.prompts_per_step):
         wl = replace(wl, name=f"{wl.name}-g{group}p{prompts}", group_size=group, prompts_per_step=prompts)
+    latency = getattr(args, "tool_latency", None)
+    if latency is not None:
+        if latency < 0:
+            raise SystemExit(f"--tool-latency must be >= 0 seconds: got {latency}")
+        if not wl.tool_calls and latency:
+            raise SystemExit(f"--tool-latency {latency}: workload {wl.name!r} calls no tool")
+        # the name stays the workload's: the table pairs rows by workload_spec.tool_latency_s too
+        wl = replace(wl, tool_latency_s=float(latency))
     return wl
+
+
+def tool_latency(row: dict) -> float | None:
+    """The tool latency a result ran with (its workload_spec; None for a workload without tools)."""
+    spec = row.get("workload_spec") or {}
+    return float(spec.get("tool_latency_s", 0.0)) if spec.get("tool_calls") else None
 
 
 def stop_on_sigterm() -> None:

@@ -4,9 +4,13 @@
 #   bash bench/peers/device.sh trl-install                # the call that carries .peers/trl
 #   bash bench/peers/device.sh verl-install verl:multi:recommended   # the call that carries .peers/verl
 #   bash bench/peers/device.sh agentrl:multi:recommended,like trl:multi:recommended
-# Each run step is SYSTEM:WORKLOAD:SETTINGS[:gGpP[wWsS]] (gGpP: G samples of P prompts a step instead of
-# the workload's, e.g. trl:long96k:recommended:g4p1; wWsS: W warm-up and S timed steps, e.g.
-# agentrl:long128k:recommended:g4p1w1s5, after PEER_ARGS); results are appended to $OUT/peers.json, logs to $OUT.
+# Each run step is SYSTEM:WORKLOAD:SETTINGS[:gGpP][wWsS][:latS] (gGpP: G samples of P prompts a step instead
+# of the workload's, e.g. trl:long96k:recommended:g4p1; wWsS: W warm-up and S timed steps, e.g.
+# agentrl:long128k:recommended:g4p1w1s5 or trl:multi:like:w2s4; latS: each tool call sleeps S s, e.g.
+# agentrl:multi:like:lat0; all after PEER_ARGS, so they win); results are appended to $OUT/peers.json,
+# logs to $OUT/SYSTEM-WORKLOAD[-latS].log (-2, -3, ... for a step repeated in one queue).
+# A repeated pair as one queue, interleaved so that drift on the machine hits both systems alike:
+#   bash bench/peers/device.sh trl-install bg agentrl:multi:like:lat0 trl:multi:like:lat0 agentrl:multi:like:lat0 trl:multi:like:lat0 ...
 # RUN_TIMEOUT (s, default 540) bounds each run step; PEER_ARGS are passed to every runner.
 # A run longer than one call (verl single-turn: ~20 min) starts detached and is waited for by later calls:
 #   bash bench/peers/device.sh verl-install start:verl:single:recommended wait   # then, each within 30 s:
@@ -46,6 +50,7 @@
 set -o pipefail
 source bench/device_env.sh peers  # carry check, import links, environment, $OUT, the GPU
 rc=0
+own_args=()
 runners=${PEERS_RUNNERS:-bench/peers}  # where run_<system>.py live (tests put stand-ins here)
 bg=${PEERS_BG_DIR:-/tmp/peers/bg}     # one detached run (start:)
 qbase=${PEERS_QUEUE_DIR:-/tmp/peers/q}  # a detached queue of steps (bg); one a GPU with GPU=N: $qbase-gpuN
@@ -89,16 +94,20 @@ kill_leftovers() {
   done
 }
 
-run_step() {  # SYSTEM WORKLOAD SETTINGS [extra runner args]: one run step; returns the runner's status
-  local system=$1 workload=$2 settings=$3 site=$PYTHONPATH src; shift 3
+run_step() {  # SYSTEM WORKLOAD SETTINGS [runner args PEER_ARGS override]: one run step; returns the runner's status
+  # the array own_args, if set, goes after PEER_ARGS (a step's own batch, steps and tool latency win)
+  # its log: $OUT/SYSTEM-WORKLOAD[-latS].log, -2, -3, ... for the repeats of a queue (none overwrites another)
+  local system=$1 workload=$2 settings=$3 site=$PYTHONPATH src n=1 base; shift 3
   [ "$system" = trl ] && site=/tmp/peer-trl:$PYTHONPATH
   [ "$system" = verl ] && site=/tmp/peer-verl:$PYTHONPATH
-  echo "== $system:$workload:$settings ($(date +%T))"
+  base="$OUT/${system}-${workload}${LOG_TAG:-}"; last_log="$base.log"
+  while [ -e "$last_log" ]; do n=$((n + 1)); last_log="$base-$n.log"; done
+  echo "== $system:$workload:$settings${LOG_TAG:-} ($(date +%T))"
   PYTHONPATH=$site timeout -k 20 "${RUN_TIMEOUT:-540}" python3 "$runners/run_$system.py" --workload "$workload" \
-    --settings "${settings:-recommended}" --out "$OUT/peers.json" --workdir /tmp/peers "$@" ${PEER_ARGS:-} 2>&1 \
-    | grep -v "Warning\|warn(\|it/s\]" > "$OUT/${system}-${workload}.log"; src=$?
-  grep "^RESULT" "$OUT/${system}-${workload}.log" | cut -c1-400
-  [ $src = 0 ] || { echo "$system:$workload:$settings exited $src"; tail -30 "$OUT/${system}-${workload}.log"; }
+    --settings "${settings:-recommended}" --out "$OUT/peers.json" --workdir /tmp/peers "$@" ${PEER_ARGS:-} "${own_args[@]}" 2>&1 \
+    | grep -v "Warning\|warn(\|it/s\]" > "$last_log"; src=$?
+  grep "^RESULT" "$last_log" | cut -c1-400
+  [ $src = 0 ] || { echo "$system:$workload:$settings exited $src"; tail -30 "$last_log"; }
   # anything a killed run left on the GPU would skew the next one (bracketed patterns: pkill -f must
   # not match this script's own command line). PEERS_KILL_LEFTOVERS=0 leaves them (tests: the machine's
   # other Ray processes, e.g. the test session's own cluster, whose raylet's death ends its driver)
@@ -119,22 +128,31 @@ import verl.trainer.main_ppo, verl.workers.rollout.vllm_rollout.vllm_async_serve
 print('verl', verl.__version__, 'transformers', transformers.__version__, 'tokenizers', tokenizers.__version__, 'vllm', vllm.__version__)" \
         || { echo "peers: verl does not import: no verl run in this call"; exit 1; } ;;
     agentrl:*|trl:*|verl:*)
-      IFS=: read -r system workload settings batch <<< "$step"
-      if [[ -z $batch ]]; then run_step "$system" "$workload" "$settings" || rc=1
-      elif [[ $batch =~ ^g([0-9]+)p([0-9]+)(w([0-9]+)s([0-9]+))?$ ]]; then  # the probe batch as a row: trl:long96k:recommended:g4p1
-        # wWsS last: a step's own warm-up and timed steps win over PEER_ARGS' (argparse keeps the last)
-        steps_of=(); [ -n "${BASH_REMATCH[3]}" ] && steps_of=(--warmup "${BASH_REMATCH[4]}" --steps "${BASH_REMATCH[5]}")
-        PEER_ARGS="${PEER_ARGS:-} ${steps_of[*]}" run_step "$system" "$workload" "$settings" \
-          --group-size "${BASH_REMATCH[1]}" --prompts-per-step "${BASH_REMATCH[2]}" || rc=1
-      else echo "peers: '$batch' in '$step' is not a batch (gGpP[wWsS]: G samples of P prompts a step, W warm-up and S timed steps)"; rc=2; fi ;;
+      # SYSTEM:WORKLOAD:SETTINGS[:gGpP][wWsS][:latS]: a batch, warm-up and timed steps, tool latency of its own
+      IFS=: read -r system workload settings rest <<< "$step"
+      own=(); tag=""; bad=""
+      IFS=: read -r -a parts <<< "$rest"
+      for part in "${parts[@]}"; do
+        if [[ $part =~ ^(g([0-9]+)p([0-9]+))?(w([0-9]+)s([0-9]+))?$ && -n $part ]]; then
+          [ -n "${BASH_REMATCH[1]}" ] && own+=(--group-size "${BASH_REMATCH[2]}" --prompts-per-step "${BASH_REMATCH[3]}")
+          [ -n "${BASH_REMATCH[4]}" ] && own+=(--warmup "${BASH_REMATCH[5]}" --steps "${BASH_REMATCH[6]}")
+        elif [[ $part =~ ^lat([0-9]*\.?[0-9]+)$ ]]; then
+          own+=(--tool-latency "${BASH_REMATCH[1]}"); tag="-lat${BASH_REMATCH[1]}"
+        else bad=$part; fi
+      done
+      if [ -n "$bad" ]; then
+        echo "peers: '$bad' in '$step' is not a batch, steps or tool latency (gGpP: G samples of P prompts a step; wWsS: W warm-up and S timed steps; latS: S seconds a tool call)"; rc=2
+      else  # the step's own arguments come after PEER_ARGS: they win (argparse keeps the last)
+        own_args=("${own[@]}"); LOG_TAG=$tag run_step "$system" "$workload" "$settings" || rc=1; own_args=()
+      fi ;;
     fit:*)
       IFS=: read -r _ system settings lengths <<< "$step"
       read -r -a ns <<< "${lengths//,/ }"
       down=0; [ "${#ns[@]}" -gt 1 ] && [ "${ns[0]}" -gt "${ns[1]}" ] && down=1  # longest first: probe down
       probe=""; [ "${FIT_PROBE:-0}" = 1 ] && probe="--warmup 0 --group-size ${FIT_GROUP:-4} --prompts-per-step 1"
       for n in "${ns[@]}"; do
-        run_step "$system" "long${n}k" "$settings" --steps 1 $probe
-        last=$(grep "^RESULT" "$OUT/${system}-long${n}k.log" | tail -1)
+        run_step "$system" "long${n}k" "$settings" --warmup 1 --steps 1 $probe
+        last=$(grep "^RESULT" "$last_log" | tail -1)
         if [[ $last == *'"status": "ok"'* ]]; then
           echo "fit: $system ($settings) fits long${n}k"
           [ $down = 1 ] && break

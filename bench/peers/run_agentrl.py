@@ -49,6 +49,8 @@ from bench.peers.common import (
     pinned_versions,
     prompt_texts,
     run_workload,
+    steady_state,
+    step_intervals,
     timed_summary,
     write_result,
 )
@@ -166,8 +168,10 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
             start_s["learner_build"] = f"{type(exc).__name__}: {str(exc)[:200]}"
         logger = type("L", (), {"log": lambda self, step, m: (rows.append(dict(m)), stamps.append(time.perf_counter())),
                                 "close": lambda self: None})()
-        runs = [r.run.remote() for r in trainer.rollouts]
+        # the first (warm-up) step starts with the rollouts, as a peer's first step starts with its first
+        # generation; the timed steps start at the last warm-up step's end (summarize)
         t0 = time.perf_counter()
+        runs = [r.run.remote() for r in trainer.rollouts]
         trainer._loop(logger)
         for r in trainer.rollouts:
             r.stop.remote()
@@ -204,10 +208,17 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
 
 
 def summarize(res: Result, rows: list[dict], stamps: list[float], t0: float, warmup: int) -> None:
-    """The step metrics the trainer logged (``rows``, ended at ``stamps``) into ``res``'s figures."""
+    """The step metrics the trainer logged (``rows``, ended at ``stamps``) into ``res``'s figures.
+
+    A step's wall is the interval between its end and the previous step's (:func:`step_intervals`),
+    as for every peer; the first ``warmup`` steps are not timed. The rollouts run from before the
+    first step (agentrl's recommended setting is async: they fill the replay queue while the learner
+    makes its first step), so the step after a single warm-up step trains on rollouts made during
+    the warm-up and takes about half a steady step: two warm-up steps (the runners' default) drain
+    that fill, and ``extra.steady`` says whether the first timed step was a normal one."""
     if not rows:
         return
-    walls = [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
+    walls = step_intervals(t0, stamps)
     gen = [m.get("rollout/tokens_per_s", 0.0) * m.get("timing/step", 0.0) for m in rows]
     summary = timed_summary(walls, [m.get("train/num_tokens", 0.0) for m in rows], gen, warmup)
     for k, v in summary.items():
@@ -220,6 +231,7 @@ def summarize(res: Result, rows: list[dict], stamps: list[float], t0: float, war
                                          for m in rows)))
     res.extra["staleness_max"] = max(m.get("replay/staleness_max", 0.0) for m in rows)
     res.extra["step_walls_s"] = [round(w, 3) for w in walls]
+    res.extra["steady"] = steady_state(walls, warmup)
     res.extra["learner_peaks_by_step_gib"] = [{k.removeprefix("memory/peak_").removesuffix("_gib"): round(v, 3)
                                                for k, v in m.items() if k.startswith("memory/peak_")} for m in rows]
     # where each step's time went (the trainer's timing/*: waiting for rollouts, the learner's step,

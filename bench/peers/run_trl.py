@@ -46,6 +46,8 @@ from bench.peers.common import (
     prompt_texts,
     reply_reward,
     run_workload,
+    steady_state,
+    step_intervals,
     stop_on_sigterm,
     timed_summary,
     write_result,
@@ -139,6 +141,28 @@ def config_kwargs(args: argparse.Namespace, wl, setting: str, per_device: int, m
     )
 
 
+def own_meter(log_rows: list[dict], end_logs: dict, warmup: int) -> dict:
+    """TRL's own account of its speed: GRPOTrainer's ``step_time`` (its training_step's time summed
+    over an optimizer step's gradient accumulation, generation inside) and ``num_tokens`` (the
+    Trainer's input tokens seen, cumulative: prompts and completions), per timed step, and its
+    tokens over its step time; the Trainer's end-of-train ``train_runtime`` and
+    ``train_samples_per_second`` (over every step, the warm-up included)."""
+    import statistics
+
+    seen = [lg.get("num_tokens") for lg in log_rows]
+    times = [lg.get("step_time") for lg in log_rows]
+    own: dict = {"step_time_s": [round(t, 3) if t is not None else None for t in times[warmup:]]}
+    pairs = [(b - a, t) for a, b, t in zip([0.0, *seen[:-1]], seen, times)
+             if a is not None and b is not None and t][warmup:]
+    if pairs:
+        own["tokens_per_s"] = round(sum(n for n, _ in pairs) / sum(t for _, t in pairs), 1)
+        own["step_time_median_s"] = round(statistics.median(t for _, t in pairs), 3)
+    for key in ("train_runtime", "train_samples_per_second", "train_steps_per_second"):
+        if key in end_logs:
+            own[key] = end_logs[key]
+    return own
+
+
 def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], observation: str, setting: str) -> Result:
     import torch
     import trl
@@ -163,6 +187,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
     rows = [{"prompt": [{"role": "user", "content": prompts[i % len(prompts)]}]} for i in range(wl.prompts_per_step * steps)]
     stamps: list[float] = []
     log_rows: list[dict] = []
+    end_logs: dict = {}
     completion_tokens: list[int] = []  # per generation batch (= per optimizer step here)
     timings: dict[str, list[float]] = {}
     original = profiling.ProfilingContext._log_metrics
@@ -178,6 +203,8 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
         def on_log(self, a, state, control, logs=None, **kw):
             if logs and "reward" in logs:
                 log_rows.append({**logs, "_step": state.global_step})
+            elif logs and "train_runtime" in logs:  # the Trainer's own summary at the end of train()
+                end_logs.update(logs)
 
     sampler = GpuSampler().start()
     profiling.ProfilingContext._log_metrics = record
@@ -200,7 +227,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
         sampler.stop()
         res.extra["kv_blocks"] = _kv_blocks(trainer)
     if stamps:
-        walls = [b - a for a, b in zip([t0, *stamps[:-1]], stamps)]
+        walls = step_intervals(t0, stamps)
         seen = [lg.get("num_tokens", 0.0) for lg in log_rows]
         gen = [lg.get("completions/mean_length", 0.0) * total for lg in log_rows]
         # prompt + model tokens (TRL's num_tokens), plus the tool answers' tokens inside each completion
@@ -215,6 +242,8 @@ def run_setting(args: argparse.Namespace, wl, model: str, prompts: list[str], ob
         res.reward_curve = [round(lg.get("reward", 0.0), 4) for lg in log_rows]
         res.episode_tokens = (sum(trained) / (total * len(trained))) if trained else None
         res.extra["step_walls_s"] = [round(w, 3) for w in walls]
+        res.extra["steady"] = steady_state(walls, args.warmup)
+        res.extra["own"] = own_meter(log_rows, end_logs, args.warmup)
         res.extra["generate_s"] = [round(x, 3) for k, v in timings.items() if k.endswith("generate") for x in v]
         res.extra["tool_calls_per_episode"] = [lg.get("tools/call_frequency") for lg in log_rows]
         res.extra["config"] = {"per_device_train_batch_size": per_device, "gradient_accumulation_steps": total // per_device,

@@ -32,7 +32,6 @@ Settings:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import signal
@@ -57,6 +56,7 @@ from bench.peers.common import (
     pinned_versions,
     prompt_texts,
     run_workload,
+    steady_state,
     timed_summary,
     write_result,
 )
@@ -95,14 +95,19 @@ def write_inputs(wl, tok, workdir: Path, steps: int) -> dict[str, str]:
     loops.write_text(f"- name: {TOOL_LOOP}\n  _target_: bench.peers.verl_plugin.HarnessToolAgentLoop\n"
                      f"- name: {SINGLE_LOOP}\n  _target_: bench.peers.verl_plugin.HarnessSingleTurnAgentLoop\n")
     tools = workdir / f"verl-tools-{wl.name}.yaml"
-    tools.write_text(json.dumps({"tools": [{
+    tools.write_text(json.dumps(tool_config(wl, texts)))  # JSON is YAML
+    return {"data": str(data), "texts": str(texts), "loops": str(loops), "tools": str(tools)}
+
+
+def tool_config(wl, texts: Path) -> dict:
+    """verl's tool config: the harness's `BaseTool`, sleeping the workload's tool latency a call."""
+    return {"tools": [{
         "class_name": "bench.peers.verl_plugin.LookupTool",
         "config": {"type": "native", "texts_file": str(texts), "latency_s": wl.tool_latency_s},
         "tool_schema": {"type": "function", "function": {
             "name": "lookup", "description": "Look something up.",
             "parameters": {"type": "object", "properties": {"query": {"type": "string", "description": "What to look up."}},
-                           "required": ["query"]}}}}]}))  # JSON is YAML
-    return {"data": str(data), "texts": str(texts), "loops": str(loops), "tools": str(tools)}
+                           "required": ["query"]}}}}]}
 
 
 def overrides(args: argparse.Namespace, wl, model: str, files: dict[str, str], setting: str, log_file: str) -> list[str]:
@@ -308,24 +313,67 @@ def packed_sdpa_check(model: str) -> float:
 
 
 class _Stamps(threading.Thread):
-    """Timestamps each new line of verl's metrics file (one line per step, written as the step ends)."""
+    """Timestamps each step of verl's metrics file by verl's own step number: its file logger writes
+    one line ``{"step": N, "data": {...}}`` as step N ends (``stamps[N]``: when the line of step N
+    that timed it, ``timing_s/step``, was first seen). Keyed by the step, not by the line's place, so
+    a line that is no training step (a validation's, the final one's) shifts nothing."""
 
     def __init__(self, path: Path) -> None:
         super().__init__(daemon=True)
-        self.path, self.stamps, self._done = path, [], threading.Event()
+        self.path, self.stamps, self._done, self._seen = path, {}, threading.Event(), 0
+
+    def poll(self, now: float) -> None:
+        """Stamp the complete lines written since the last poll with ``now``."""
+        try:
+            lines = self.path.read_bytes().split(b"\n")[:-1] if self.path.is_file() else []
+        except OSError:
+            return
+        for line in lines[self._seen:]:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(rec.get("step"), int) and "timing_s/step" in (rec.get("data") or {}):
+                self.stamps.setdefault(rec["step"], now)
+        self._seen = len(lines)
 
     def run(self) -> None:
         while not self._done.wait(0.1):
-            try:
-                n = self.path.read_bytes().count(b"\n") if self.path.is_file() else 0
-            except OSError:
-                continue
-            while len(self.stamps) < n:
-                self.stamps.append(time.perf_counter())
+            self.poll(time.perf_counter())
 
     def stop(self) -> None:
         self._done.set()
         self.join()
+
+
+def read_steps(log_file: Path) -> list[dict]:
+    """verl's training steps from its metrics file, in step order: ``data`` with ``_step`` (verl's
+    step number) of each line that timed a step (``timing_s/step``)."""
+    rows = []
+    for ln in log_file.read_text().splitlines() if log_file.is_file() else []:
+        if not ln.strip():
+            continue
+        rec = json.loads(ln)
+        data = rec.get("data") or {}
+        if "timing_s/step" in data:
+            rows.append({**data, "_step": rec.get("step")})
+    return sorted(rows, key=lambda r: (r["_step"] is None, r["_step"] or 0))
+
+
+def step_walls(rows: list[dict], stamps: dict[int, float]) -> tuple[list[float], list[float]]:
+    """Each step's wall as the other runners measure it (from the previous step's end to its own,
+    :func:`~bench.peers.common.step_intervals`), aligned by verl's step number: a step whose own or
+    previous step's line was not stamped (the first step has no start here) keeps verl's own
+    ``timing_s/step``. Returns the walls and the stamps of the steps' ends (for the GPU's busy share)."""
+    walls, ends = [], []
+    for r in rows:
+        n = r["_step"]
+        if n in stamps and (n - 1) in stamps:
+            walls.append(stamps[n] - stamps[n - 1])
+        else:
+            walls.append(float(r["timing_s/step"]))
+        ends.append(stamps.get(n))
+    return walls, ends
 
 
 def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str], setting: str) -> Result:
@@ -377,13 +425,10 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
         # its last lines are then whatever verl was printing (import warnings, say), not a cause
         res.status = "oom" if oom else ("cut" if rc is None else "error")
         res.reason = f"{why}: {''.join(err)[-600:]}" if res.status != "cut" else why
-    rows = [json.loads(ln)["data"] for ln in log_file.read_text().splitlines() if ln.strip()] if log_file.is_file() else []
-    rows = [r for r in rows if "timing_s/step" in r]
+    rows = read_steps(log_file)
     if rows:
-        st = stamps.stamps[-len(rows):] if len(stamps.stamps) >= len(rows) else []
+        walls, ends = step_walls(rows, stamps.stamps)
         verl_walls = [r["timing_s/step"] for r in rows]
-        # wall between step ends as the other runners measure it; the first step has no start here
-        walls = [verl_walls[0], *(b - a for a, b in itertools.pairwise(st))] if len(st) == len(rows) else verl_walls
         trained = [r.get("perf/total_num_tokens", 0.0) for r in rows]
         n_seq = wl.group_size * wl.prompts_per_step
         # every reply is new_tokens long; num_turns counts 2 per reply (user/tool turn + assistant turn)
@@ -396,16 +441,33 @@ def run_setting(args: argparse.Namespace, wl, model: str, files: dict[str, str],
         res.reward_curve = [round(r.get("critic/score/mean", 0.0), 4) for r in rows]
         res.episode_tokens = sum(trained) / (n_seq * len(trained))
         res.extra["step_walls_s"] = [round(w, 3) for w in walls]
+        res.extra["steady"] = steady_state(walls, args.warmup)
+        res.extra["verl_steps"] = [r["_step"] for r in rows]
         res.extra["verl_timing_step_s"] = [round(w, 3) for w in verl_walls]
         for key in ("timing_s/gen", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/update_weights",
                     "num_turns/mean", "response_length/mean", "prompt_length/mean", "perf/max_memory_allocated_gb",
-                    "perf/max_memory_reserved_gb", "perf/throughput"):
+                    "perf/max_memory_reserved_gb", "perf/throughput", "perf/mfu/actor"):
             res.extra[key] = [r.get(key) for r in rows]
-        if len(st) == len(rows) and len(st) > args.warmup:
-            busy_from = st[args.warmup - 1]
+        res.extra["own"] = own_meter(timed)
+        if len(ends) > args.warmup and ends[args.warmup - 1] is not None and args.warmup:
+            busy_from = ends[args.warmup - 1]
     if res.status == "cut":
         res.reason += f", {len(rows)} of {args.warmup + args.steps} steps done (warm-up included)"
     return close_result(res, sampler, busy_from, args.steps)
+
+
+def own_meter(timed: list[dict]) -> dict:
+    """verl's own account of its speed over the timed steps: the medians of ``perf/mfu/actor`` (its
+    actor update's FLOPs, by its own FLOPs counter, over the update's time, over the GPU's peak) and
+    ``perf/throughput`` (its tokens a second a GPU over its ``timing_s/step``)."""
+    import statistics
+
+    own = {}
+    for key, name in (("perf/mfu/actor", "mfu_actor"), ("perf/throughput", "tokens_per_s")):
+        vals = [float(r[key]) for r in timed if isinstance(r.get(key), (int, float))]
+        if vals:
+            own[name] = round(statistics.median(vals), 4 if name == "mfu_actor" else 1)
+    return own
 
 
 def main() -> None:
