@@ -211,19 +211,13 @@ class Registry(Mapping[str, T], Generic[T]):
 
 LOSSES: Registry[Callable[..., Any]] = Registry("policy loss", "loss.type")
 """``loss.type``: functions with the signature of :func:`agentrl.losses.compute_policy_loss`."""
-LOSSES.register("ppo", "agentrl.losses:compute_policy_loss", advantage_factor=True)
 
 ADVANTAGE_ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimator", "advantage.estimator")
 """``advantage.estimator``: ``(returns [G], normalize_std, eps, std) -> (baseline [G], scale [G])``."""
-ADVANTAGE_ESTIMATORS.register("grpo", "agentrl.advantages:_grpo")
-ADVANTAGE_ESTIMATORS.register("rloo", "agentrl.advantages:_rloo")
-ADVANTAGE_ESTIMATORS.register("dr_grpo", "agentrl.advantages:_dr_grpo")
 
 LEARNERS: Registry[Callable[..., Any]] = Registry("learner backend", "learner.backend")
 """``learner.backend``: classes ``(cfg, *, model_path, **rank_kwargs)`` of the
 :class:`agentrl.learners.base.Learner` contract."""
-LEARNERS.register("torch", "agentrl.learners.torch_learner:TorchLearner", lora=True, dense_distill=True)
-LEARNERS.register("megatron", "agentrl.learners.megatron.learner:MegatronLearner", distributed=True)
 
 
 def register_loss(name: str, fn: Callable[..., Any] | None = None, *, advantage_factor: bool = False) -> Any:
@@ -261,6 +255,15 @@ def register_learner(name: str, cls: Any = None, *, distributed: bool = False, l
         dense_distill: it computes the dense top-k distillation loss (``distill.top_k`` > 0).
     """
     return LEARNERS.register(name, cls, distributed=distributed, lora=lora, dense_distill=dense_distill)
+
+
+# The built-ins, as "module:attribute" (imported on first use: reading a config imports no torch).
+register_loss("ppo", "agentrl.losses:compute_policy_loss", advantage_factor=True)
+register_advantage_estimator("grpo", "agentrl.advantages:_grpo")
+register_advantage_estimator("rloo", "agentrl.advantages:_rloo")
+register_advantage_estimator("dr_grpo", "agentrl.advantages:_dr_grpo")
+register_learner("torch", "agentrl.learners.torch_learner:TorchLearner", lora=True, dense_distill=True)
+register_learner("megatron", "agentrl.learners.megatron.learner:MegatronLearner", distributed=True)
 
 
 def learner_capability_errors(cfg: Config, traits: Mapping[str, Any]) -> list[str]:
