@@ -63,12 +63,16 @@ def _origin(target: Any) -> str:
 
 
 def _same(a: Any, b: Any) -> bool:
-    # A module imported twice (a re-import, `python -m` beside an import) registers new objects of
-    # the same definition: that is not a clash.
+    # A module imported anew (importlib.reload, or after it was removed from sys.modules) registers
+    # new objects of the same definitions: that is not a clash. Lambdas and local functions share
+    # qualnames, so only the same object is the same for them.
     if a is b or (isinstance(a, str) and a == b):
         return True
-    return (getattr(a, "__module__", None), getattr(a, "__qualname__", None)) == (
-        getattr(b, "__module__", None), getattr(b, "__qualname__", None)) and hasattr(a, "__qualname__")
+    qualname = getattr(a, "__qualname__", None)
+    if not isinstance(qualname, str) or "<" in qualname:
+        return False
+    return (getattr(a, "__module__", None), qualname) == (getattr(b, "__module__", None),
+                                                          getattr(b, "__qualname__", None))
 
 
 class Registry(Mapping[str, T], Generic[T]):
@@ -280,7 +284,7 @@ def learner_capability_errors(cfg: Config, traits: Mapping[str, Any]) -> list[st
     return errors
 
 
-_LOSS_CALL = ((None,) * 6, dict(ref_logprobs=None, num_tokens=None, num_sequences=None))
+_LOSS_CALL = ((None,) * 6, {"ref_logprobs": None, "num_tokens": None, "num_sequences": None})
 
 
 def check_components(cfg: Config) -> None:

@@ -68,6 +68,9 @@ def test_duplicate_name_is_an_error_but_the_same_object_again_is_not():
         reg.register("x", lambda: 2)
     with pytest.raises(RegistryError, match="already registered"):
         LOSSES.register("ppo", lambda *a, **k: None)  # a built-in's name stays the built-in's
+    reg.register("y", lambda: 1)
+    with pytest.raises(RegistryError, match="already registered"):  # lambdas share a qualname
+        reg.register("y", lambda: 2)
     for bad in ("", "a:b", " x"):
         with pytest.raises(RegistryError, match="non-empty string without ':'"):
             reg.register(bad, one)
@@ -128,6 +131,9 @@ def test_module_name_resolves_what_the_module_registers_or_defines(tmp_path, mon
     assert "registered_name" in LOSSES.names()
     assert LOSSES.meta(f"{mod}:registered_name") == {"advantage_factor": False}
     assert LOSSES.meta(f"{mod}:plain") == {}
+    first = LOSSES["registered_name"]
+    del sys.modules[mod]  # imported anew (a Ray worker reusing the process, a test): no clash
+    assert LOSSES.resolve(f"{mod}:registered_name") is not first
 
 
 def test_module_name_errors_name_the_key(tmp_path, monkeypatch):
