@@ -37,6 +37,7 @@ __all__ = [
     "Registry",
     "RegistryError",
     "check_components",
+    "learner_capability_errors",
     "register_advantage_estimator",
     "register_learner",
     "register_loss",
