@@ -272,15 +272,17 @@ class LearnerGroup:
         """``placement``: colocated, ``(plan, placement group)`` of :mod:`agentrl.actors.placement`:
         rank ``i`` takes its share of bundle ``i``'s GPU, beside the engines dealt to that GPU."""
         from agentrl.actors.placement import ColocatedPlan, learner_world_size
+        from agentrl.learners.base import learner_traits
 
         lc = cfg.learner
         world = learner_world_size(cfg)
+        ranked = bool(learner_traits(cfg).get("distributed"))  # built with rank, world_size, ...
         gpus = 1 if lc.num_gpus else 0
         opts: Callable[[int], dict[str, Any]]
         if placement is not None:
             plan, pg = placement
             opts = functools.partial(plan.learner_options, cfg, pg)
-        elif world == 1 and lc.backend == "torch":
+        elif not ranked:
             opts = lambda i: dict(num_cpus=lc.num_cpus, num_gpus=gpus, resources=lc.resources)  # noqa: E731
         else:
             # Rank 0's node hosts the rendezvous; Ray gives each actor one GPU (local rank 0).
@@ -289,7 +291,7 @@ class LearnerGroup:
             opts = lambda i: dict(num_cpus=lc.num_cpus, num_gpus=gpus, resources=lc.resources,  # noqa: E731
                                   scheduling_strategy=ColocatedPlan.on(pg, i))
 
-        if world == 1 and lc.backend == "torch":
+        if not ranked:
             self.actors = [LearnerActor.options(**opts(0)).remote(cfg, model_path)]
         else:
             strategy = opts(0).get("scheduling_strategy")

@@ -23,8 +23,11 @@ __all__ = ["ColocatedPlan", "colocated_plan", "learner_world_size"]
 
 
 def learner_world_size(cfg: Config) -> int:
-    """Learner ranks: one per GPU under Megatron, a single actor for the torch learner."""
-    return max(1, cfg.learner.num_gpus) if cfg.learner.backend == "megatron" else 1
+    """Learner ranks: one per GPU for a backend registered ``distributed`` (Megatron), else a
+    single actor (the torch learner)."""
+    from agentrl.learners.base import learner_traits
+
+    return max(1, cfg.learner.num_gpus) if learner_traits(cfg).get("distributed") else 1
 
 
 def _add(total: dict[str, float], extra: dict[str, float], times: int = 1) -> None:

@@ -1,4 +1,5 @@
-"""The Ray runtime environment of a run: ``cluster.runtime_env`` plus the user's env module.
+"""The Ray runtime environment of a run: ``cluster.runtime_env`` plus the user's env module (and
+the modules of a ``module:name`` loss, advantage estimator or learner backend).
 
 On one machine, Ray's workers import what the driver's working directory holds; on a cluster
 they do not, so the package (or file) named by ``env.id=module:EnvId`` is added to
@@ -25,7 +26,8 @@ def build_runtime_env(cfg: Config) -> dict[str, Any]:
     """``cluster.runtime_env`` with the env's module added to ``py_modules``; checked by Ray's own
     validation, so a typo fails here, before any actor starts.
 
-    Call it after the env module is imported (:func:`agentrl.env_ids.check_env`).
+    Call it after the env module is imported (:func:`agentrl.env_ids.check_env`), and the modules
+    of ``module:name`` components (:func:`agentrl.registry.check_components`).
 
     Raises:
         ConfigError: naming ``cluster.runtime_env`` (with a did-you-mean for a misspelled key).
@@ -45,6 +47,8 @@ def build_runtime_env(cfg: Config) -> dict[str, Any]:
     # The agent's modules travel as env modules do (agent.tasks may be a file path: not a module).
     specs += [s for s in (cfg.agent.solve, cfg.agent.score, cfg.agent.tasks, cfg.agent.eval_tasks)
               if s and ":" in s and "/" not in s and not s.endswith((".jsonl", ".json"))]
+    # so do the modules of a user's loss, advantage estimator and learner backend (module:name)
+    specs += [s for s in (cfg.loss.type, cfg.advantage.estimator, cfg.learner.backend) if ":" in s]
     for spec in specs if cfg.cluster.ship_env_module else []:
         module_path = env_module_path(spec)
         if module_path is None:

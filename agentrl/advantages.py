@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from agentrl.config import AdvantageConfig, ConfigError
+from agentrl.registry import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 from agentrl.trajectory import TrajectoryGroup
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "build_advantage_estimator",
     "group_advantages",
     "group_baseline",
+    "register_advantage_estimator",
     "trajectory_token_advantages",
     "turn_returns",
 ]
@@ -68,25 +70,15 @@ def _dr_grpo(
     return returns.mean().expand_as(returns), torch.ones_like(returns)
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {"grpo": _grpo, "rloo": _rloo, "dr_grpo": _dr_grpo}
-"""``advantage.estimator`` -> baseline and scale of a group's returns."""
-
-
 def build_advantage_estimator(name: str) -> Estimator:
-    """Look up an advantage estimator by its ``advantage.estimator`` name.
+    """Look up an advantage estimator by its ``advantage.estimator`` name: a built-in one
+    (``grpo``, ``rloo``, ``dr_grpo``) or ``module:name`` (:data:`ADVANTAGE_ESTIMATORS`).
 
     Raises:
-        ConfigError: for an unknown name, with the closest known one.
+        ConfigError: for an unknown name, with the closest known one; a module that does not
+            import or lacks the name.
     """
-    try:
-        return ADVANTAGE_ESTIMATORS[name]
-    except KeyError:
-        hint = difflib.get_close_matches(name, list(ADVANTAGE_ESTIMATORS), n=1)
-        raise ConfigError(
-            f"unknown advantage.estimator '{name}'"
-            + (f"; did you mean '{hint[0]}'?" if hint else "")
-            + f" (known: {', '.join(ADVANTAGE_ESTIMATORS)})"
-        ) from None
+    return ADVANTAGE_ESTIMATORS.resolve(name)
 
 
 def group_baseline(
@@ -105,7 +97,7 @@ def group_baseline(
 
     Args:
         returns: ``[G]`` episode returns of one group.
-        estimator: ``"grpo"``, ``"rloo"`` or ``"dr_grpo"``.
+        estimator: ``"grpo"``, ``"rloo"``, ``"dr_grpo"`` or ``module:name`` (one of your own).
         normalize_std: GRPO only: divide by the group's std plus ``eps``.
         eps: added to the standard deviation.
         std: GRPO's standard deviation: ``"population"`` (over G) or ``"sample"`` (over G - 1).
@@ -134,7 +126,7 @@ def group_advantages(
 
     Args:
         rewards: ``[G]`` episode rewards.
-        estimator: a key of :data:`ADVANTAGE_ESTIMATORS`.
+        estimator: a name of :data:`ADVANTAGE_ESTIMATORS`, or ``module:name``.
         normalize_std: GRPO only (ignored by the others).
         eps: added to the standard deviation.
         std: GRPO only: ``"population"`` or ``"sample"`` standard deviation.

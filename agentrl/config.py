@@ -43,6 +43,7 @@ from agentrl.config_training import (
     ReplayConfig,
     WatchdogConfig,
 )
+from agentrl.registry import LEARNERS, learner_capability_errors
 
 __all__ = [
     "FAST_OPTIONS",
@@ -263,9 +264,12 @@ class Config(Section):
             and not mc.activation_checkpointing
         if recompute_graphs and "cuda_graphs" in mc._auto:
             object.__setattr__(mc, "cuda_graphs", False)
-        if self.learner.backend == "megatron" and self.learner.lora.enabled:
-            raise ValueError("learner.lora needs learner.backend=torch: the Megatron-Core learner has no LoRA "
-                             "(set learner.backend=torch, or learner.lora.rank=0 for full fine-tuning)")
+        # What the backend can do is known here for a registered name; a `module:name` backend is
+        # imported (and checked) when the run starts (agentrl.registry.check_components).
+        traits = LEARNERS.meta(self.learner.backend) if ":" not in self.learner.backend else None
+        errors = learner_capability_errors(self, traits) if traits is not None else []
+        if errors:
+            raise ValueError("; ".join(errors))
         if self.learner.backend == "megatron":
             world = max(self.learner.num_gpus, 1)
             model_parallel = mc.tensor_parallel_size * mc.pipeline_parallel_size * mc.context_parallel_size
@@ -323,7 +327,7 @@ class Config(Section):
                 raise ValueError("colocate.enabled needs GPU engines and a GPU learner: set engine.num_gpus "
                                  f"(e.g. 0.5) and learner.num_gpus >= 1 (given {self.engine.num_gpus} and "
                                  f"{self.learner.num_gpus})")
-            world = max(1, self.learner.num_gpus) if self.learner.backend == "megatron" else 1
+            world = max(1, self.learner.num_gpus) if (traits or {}).get("distributed") else 1
             per_gpu = -(-self.engine.num_engines // world)  # engines are dealt round-robin over the GPUs
             if per_gpu * self.engine.num_gpus + co.learner_gpu_fraction > 1 + 1e-9:
                 raise ValueError(f"colocate: {per_gpu} engine(s) x engine.num_gpus ({self.engine.num_gpus}) + "
@@ -344,9 +348,6 @@ class Config(Section):
                                  "distill.reward_weight is 0 (pure distillation trains every group): "
                                  "turn one of them off, or give the task reward a weight")
         dc = self.distill
-        if dc.enabled and dc.top_k > 0 and self.learner.backend != "torch":
-            raise ValueError("distill.top_k > 0 (dense top-k distillation) needs learner.backend=torch: the "
-                             "Megatron-Core learner scores the sampled tokens only (set distill.top_k=0)")
         if dc.enabled and self.cluster.address is None and self.cluster.num_cpus is not None:
             need = (self.engine.num_engines * self.engine.num_cpus + self.learner.num_cpus * max(1, self.learner.num_gpus)
                     + dc.num_engines * dc.num_cpus)

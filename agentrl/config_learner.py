@@ -8,9 +8,10 @@ from __future__ import annotations
 import warnings
 from typing import Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from agentrl.config_base import Section
+from agentrl.registry import LEARNERS
 
 __all__ = ["FAST_OPTIONS", "LearnerConfig", "LoRAConfig", "MegatronConfig", "graph_length", "resolve_fast_options"]
 
@@ -198,8 +199,10 @@ class LoRAConfig(Section):
 
 
 class LearnerConfig(Section):
-    backend: Literal["torch", "megatron"] = "torch"
-    """torch: Hugging Face model + AdamW (CPU, small GPUs); megatron: Megatron-Core (GPUs)."""
+    backend: str = "torch"
+    """torch: Hugging Face model + AdamW (CPU, small GPUs); megatron: Megatron-Core (GPUs). One of
+    your own: `<module>:<name>`, a class of the agentrl.learners.base.Learner contract that the
+    module registers (`@register_learner("name", distributed=...)`, agentrl.learners.base)."""
     lr: float = Field(1e-5, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
@@ -223,3 +226,8 @@ class LearnerConfig(Section):
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     """LoRA adapters instead of full fine-tuning (torch learner only); off while ``rank`` is 0."""
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        return LEARNERS.check(value)

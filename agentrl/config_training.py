@@ -8,9 +8,10 @@ from __future__ import annotations
 import warnings
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from agentrl.config_base import Section
+from agentrl.registry import ADVANTAGE_ESTIMATORS, LOSSES
 
 __all__ = ["AdvantageConfig", "ColocateConfig", "DistillConfig", "ImportanceSamplingConfig", "KLConfig", "LossConfig", "PackingConfig", "RefitConfig", "ReplayConfig", "WatchdogConfig"]
 
@@ -74,6 +75,12 @@ class KLConfig(Section):
 
 
 class LossConfig(Section):
+    type: str = "ppo"
+    """The policy loss. ppo: the clipped PPO objective against the proximal policy with the
+    importance-sampling correction and KL penalty below (agentrl.losses.compute_policy_loss). One
+    of your own: `<module>:<name>`, a function with compute_policy_loss's arguments that the module
+    registers (`@register_loss("name")`, agentrl.losses) or defines; the other fields of this
+    section are passed to it (docs/guides/custom-loss.md)."""
     clip_low: float = Field(0.2, ge=0)
     """PPO ratio lower clip: ratio >= 1 - clip_low."""
     clip_high: float = Field(0.28, ge=0)
@@ -89,11 +96,18 @@ class LossConfig(Section):
     aggregation: Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"] = "token_mean"
     """How per-token losses become one number, normalized by global counts."""
 
+    @field_validator("type")
+    @classmethod
+    def _known_loss(cls, value: str) -> str:
+        return LOSSES.check(value)
+
 
 class AdvantageConfig(Section):
-    estimator: Literal["grpo", "rloo", "dr_grpo"] = "grpo"
+    estimator: str = "grpo"
     """grpo: reward minus group mean (over std if normalize_std); rloo: leave-one-out mean
-    baseline; dr_grpo: group mean only, no std (pair with seq_mean_token_sum)."""
+    baseline; dr_grpo: group mean only, no std (pair with seq_mean_token_sum). One of your own:
+    `<module>:<name>`, a function `(returns, normalize_std, eps, std) -> (baseline, scale)` that
+    the module registers (`@register_advantage_estimator("name")`, agentrl.advantages) or defines."""
     normalize_std: bool = True
     """GRPO only: divide by the group's reward standard deviation (see std)."""
     std: Literal["population", "sample"] = "population"
@@ -105,6 +119,11 @@ class AdvantageConfig(Section):
     """Discount of later turns' rewards for turn-level credit; 1.0 = whole-episode return."""
     eps: float = Field(1e-6, gt=0)
     """Added to the std before dividing."""
+
+    @field_validator("estimator")
+    @classmethod
+    def _known_estimator(cls, value: str) -> str:
+        return ADVANTAGE_ESTIMATORS.check(value)
 
     @model_validator(mode="after")
     def _std_has_effect(self) -> AdvantageConfig:

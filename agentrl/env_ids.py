@@ -24,7 +24,7 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from agentrl.config import ConfigError
+from agentrl.config_base import ConfigError
 
 __all__ = ["check_env", "env_module_path", "import_env_module", "split_env_id"]
 

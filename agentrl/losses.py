@@ -25,16 +25,19 @@ from typing import NamedTuple
 import torch
 
 from agentrl.config import ConfigError, ImportanceSamplingConfig, LossConfig
+from agentrl.registry import LOSSES, register_loss
 
 __all__ = [
     "IS_CORRECTIONS",
     "KL_ESTIMATORS",
+    "LOSSES",
     "ISWeights",
     "aggregate_token_losses",
     "build_is_correction",
     "compute_policy_loss",
     "count_tokens_and_sequences",
     "kl_estimate",
+    "register_loss",
 ]
 
 

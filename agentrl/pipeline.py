@@ -25,6 +25,7 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[s
     from agentrl.actors.runtime_env import build_runtime_env
     from agentrl.env_ids import check_env
     from agentrl.models import resolve_model_path
+    from agentrl.registry import check_components
     from agentrl.trainer import Trainer
 
     # Mistakes in the env or the runtime env fail here, before the model is made, SFT or Ray start.
@@ -34,6 +35,7 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[s
         load_agent(cfg.agent)
     if cfg.agent.solve is None or cfg.sft.enabled:
         check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)
+    check_components(cfg)  # a user's loss, advantage estimator or learner backend (module:name)
     build_runtime_env(cfg)
     if cfg.metrics.wandb.enabled:
         from agentrl.metrics import require_wandb

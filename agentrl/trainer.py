@@ -78,6 +78,7 @@ class Trainer(Supervision, WeightSync):
     def __init__(self, cfg: Config, *, model_path: str | None = None, resume: bool = False, progress: bool = True) -> None:
         from agentrl.actors.runtime_env import build_runtime_env
         from agentrl.env_ids import check_env
+        from agentrl.registry import check_components
 
         self.cfg = cfg
         if cfg.agent.solve is not None:  # the agent, its scorer and tasks import: before Ray
@@ -90,6 +91,7 @@ class Trainer(Supervision, WeightSync):
                     setattr(cfg.agent, key, str(Path(spec).resolve()))
         if cfg.agent.solve is None or cfg.sft.enabled:  # (SFT learns from the env's expert)
             check_env(cfg.env.id, cfg.env.kwargs)  # an unknown id, a module that fails, bad kwargs: before Ray
+        check_components(cfg)  # a user's loss, estimator or learner backend imports: before Ray
         if cfg.metrics.wandb.enabled:
             require_wandb()
         self.runtime_env = build_runtime_env(cfg)

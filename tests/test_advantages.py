@@ -22,7 +22,11 @@ ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
 
 
 def test_registry_matches_config() -> None:
-    assert set(ESTIMATORS) == set(AdvantageConfig.model_fields["estimator"].annotation.__args__)
+    assert set(ESTIMATORS) == {"grpo", "rloo", "dr_grpo"}
+    for name in ESTIMATORS:
+        assert AdvantageConfig(estimator=name).estimator == name
+    with pytest.raises(ValueError, match="did you mean 'rloo'"):
+        AdvantageConfig(estimator="rlo")
     with pytest.raises(ConfigError, match="did you mean 'rloo'"):
         group_advantages(torch.zeros(2), "rlo")
 

@@ -54,7 +54,7 @@ def test_tied_groups_are_skipped_without_changing_the_step(tiny_model_dir, monke
     out = filtered.train_step(groups)
     assert out["train/num_sequences"] == 12.0 and out["train/num_sequences_trained"] == 8.0
 
-    monkeypatch.setattr(tl, "with_signal", lambda samples, has_kl: samples)
+    monkeypatch.setattr(tl, "with_signal", lambda samples, **_: samples)
     kept = TorchLearner(cfg)
     out_kept = kept.train_step(groups)
     assert out_kept["train/num_sequences_trained"] == 12.0

@@ -1,4 +1,4 @@
-"""The learner contract and the backend registry.
+"""The learner contract and the backend registry (:data:`LEARNERS`, :func:`register_learner`).
 
 Every backend (the torch learner on CPU or small GPUs, the Megatron-Core learner on GPUs) exposes
 the same five operations, so the trainer, the actors and the tests never know which one runs.
@@ -6,9 +6,10 @@ the same five operations, so the trainer, the actors and the tests never know wh
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from agentrl.registry import LEARNERS, register_learner
 
 if TYPE_CHECKING:
     import torch
@@ -16,7 +17,7 @@ if TYPE_CHECKING:
     from agentrl.config import Config
     from agentrl.trajectory import Trajectory, TrajectoryGroup
 
-__all__ = ["LEARNERS", "Learner", "build_learner"]
+__all__ = ["LEARNERS", "Learner", "build_learner", "learner_traits", "register_learner"]
 
 
 @runtime_checkable
@@ -49,17 +50,20 @@ class Learner(Protocol):
     def load(self, path: str | Path) -> None: ...
 
 
-# type string -> "module:Class"; imported only when selected, so core never imports Megatron.
-LEARNERS: dict[str, str] = {
-    "torch": "agentrl.learners.torch_learner:TorchLearner",
-    "megatron": "agentrl.learners.megatron.learner:MegatronLearner",
-}
-
-
 def build_learner(cfg: "Config", **kwargs: Any) -> Learner:
-    """Construct the learner backend named by ``cfg.learner.backend``."""
-    name = cfg.learner.backend
-    if name not in LEARNERS:
-        raise ValueError(f"learner.backend: unknown backend '{name}' (allowed: {', '.join(LEARNERS)})")
-    module, _, cls = LEARNERS[name].partition(":")
-    return getattr(importlib.import_module(module), cls)(cfg, **kwargs)
+    """Construct the learner backend named by ``cfg.learner.backend``: a registered name
+    (:data:`LEARNERS`; built-ins are imported only when selected, so core never imports Megatron)
+    or ``module:name``.
+
+    Raises:
+        ConfigError: an unknown name (with a did-you-mean), a module that does not import or
+            lacks the name.
+    """
+    return LEARNERS.resolve(cfg.learner.backend)(cfg, **kwargs)
+
+
+def learner_traits(cfg: "Config") -> dict[str, Any]:
+    """What ``cfg.learner.backend`` was registered with (:func:`register_learner`): ``distributed``
+    (one actor per GPU in a torch.distributed group), ``lora``, ``dense_distill``. A built-in's
+    traits are read without importing it."""
+    return LEARNERS.meta(cfg.learner.backend)

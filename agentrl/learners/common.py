@@ -14,7 +14,7 @@ import torch
 
 from agentrl.advantages import trajectory_token_advantages
 from agentrl.distill import distill_token_advantages, top_k_kl
-from agentrl.losses import aggregate_token_losses, compute_policy_loss
+from agentrl.losses import LOSSES, aggregate_token_losses
 from agentrl.optim import torch_optimizers
 from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, unpack_padded
 
@@ -82,16 +82,18 @@ def global_counts(samples: list[TrainSample]) -> tuple[float, float]:
     return float(sum(sum(s.loss_mask) for s in samples)), float(len(samples))
 
 
-def with_signal(samples: list[TrainSample], *, has_kl: bool) -> list[TrainSample]:
+def with_signal(samples: list[TrainSample], *, has_kl: bool, loss_type: str = "ppo") -> list[TrainSample]:
     """The samples whose loss terms can be non-zero.
 
-    Every term of the policy loss is a token's advantage times a factor (ratio, clip, IS weight),
-    so a sample whose masked advantages are all zero adds exactly zero to the loss and to its
-    gradient. Dropping it *after* :func:`global_counts` (the normalizers still count it) leaves the
-    step unchanged and saves its forward and backward. A KL term has no advantage factor: with a
-    reference model every sample is kept. In GRPO a group whose rewards tie is such a group.
+    Every term of the built-in policy loss is a token's advantage times a factor (ratio, clip, IS
+    weight), so a sample whose masked advantages are all zero adds exactly zero to the loss and to
+    its gradient. Dropping it *after* :func:`global_counts` (the normalizers still count it) leaves
+    the step unchanged and saves its forward and backward. A KL term has no advantage factor: with
+    a reference model every sample is kept; so does a loss ``loss_type`` not registered with
+    ``advantage_factor=True`` (:func:`agentrl.losses.register_loss`). In GRPO a group whose rewards
+    tie is such a group.
     """
-    if has_kl:
+    if has_kl or not LOSSES.meta(loss_type).get("advantage_factor"):
         return samples
     return [s for s in samples if any(a and m for a, m in zip(s.advantages, s.loss_mask))]
 
@@ -142,7 +144,8 @@ def microbatch_loss(
     distill_coef: float = 1.0,
     distill_direction: str = "forward",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of one packed micro-batch: unpack the flat [T] tensors to [N, L] and call the loss.
+    """Loss of one packed micro-batch: unpack the flat [T] tensors to [N, L] and call the loss
+    ``loss_cfg.type`` names (:data:`agentrl.losses.LOSSES`: the built-in or a user's).
 
     ``prox_logprobs`` None means bypass mode (the behaviour policy is the proximal policy).
     ``top_k_logprobs`` (``[T, k]``, dense distillation): the student's logprobs of the teacher's
@@ -157,7 +160,7 @@ def microbatch_loss(
     behavior = rows(packed.fields["behavior_logprobs"].float())
     prox = behavior if prox_logprobs is None else rows(prox_logprobs.float())
     mask = rows(packed.fields["loss_mask"].float()) > 0
-    loss, metrics = compute_policy_loss(
+    loss, metrics = LOSSES.resolve(loss_cfg.type)(
         logp,
         prox.detach(),
         behavior,

@@ -95,7 +95,7 @@ class TorchLearner:
         # Samples with all-zero advantages (tied groups) contribute exactly nothing: no passes for
         # them. When none is left, no optimizer step either (AdamW would move on its momentum).
         dense = cfg.distill.enabled and cfg.distill.top_k > 0  # a loss term on every policy token
-        samples = with_signal(samples, has_kl=cfg.loss.kl.coef > 0 or dense)
+        samples = with_signal(samples, has_kl=cfg.loss.kl.coef > 0 or dense, loss_type=cfg.loss.type)
         plan = plan_microbatches(samples, cfg.packing)[0]
         packs = [pack_samples(samples, mb, pad_multiple=cfg.packing.pad_multiple, pad_id=self.pad_id) for mb in plan]
 

@@ -331,7 +331,8 @@ class MegatronLearner:
         cfg, lay = self.cfg, self.layout
         samples = build_samples(groups, cfg.advantage, cfg.distill)
         num_tokens, num_sequences = global_counts(samples)  # the loss's normalizers: whole batch
-        samples = with_signal(samples, has_kl=self.ref_model is not None)  # tied groups add nothing
+        # tied groups add nothing
+        samples = with_signal(samples, has_kl=self.ref_model is not None, loss_type=cfg.loss.type)
         plan = plan_microbatches(samples, cfg.packing, num_ranks=lay.dp)[lay.dp_rank] if samples else [[]]
 
         def build(ix: list[int]) -> _MicroBatch:
