@@ -36,8 +36,8 @@ def _device_sh(tmp_path, runner_extra=""):
         "n = int(a.workload[4:-1])\n"
         + runner_extra +
         "status = 'ok' if n < 32 else 'oom'\n"
-        "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps, 'lat': a.tool_latency,\n"
-        "                              'batch': [a.warmup, a.group_size, a.prompts_per_step]}))\n"
+        "print('RESULT ' + json.dumps({'workload': a.workload, 'status': status, 'steps': a.steps,\n"
+        "                              'batch': [a.warmup, a.group_size, a.prompts_per_step], 'lat': a.tool_latency}))\n"
         "raise SystemExit(0 if status == 'ok' else 1)\n")
     env = {**os.environ, "DEVICE_SITE": str(tmp_path / "site"), "PEERS_RUNNERS": str(runners),
            "OUT": str(tmp_path / "out"), "SETTLE_S": "0", "PEER_ARGS": "",
@@ -249,8 +249,8 @@ def test_device_run_steps_carry_a_tool_latency_and_a_repeated_step_keeps_every_l
     assert logs == ["agentrl-long16k-lat0-2.log", "agentrl-long16k-lat0.log", "agentrl-long24k-lat0.5-2.log",
                     "agentrl-long24k-lat0.5.log"], logs
     for name in ("agentrl-long16k-lat0.log", "agentrl-long16k-lat0-2.log"):
-        assert '"steps": 1, "lat": 0.0, "batch": [1, 8, 2]' in (out / name).read_text()  # PEER_ARGS' steps
-    assert '"steps": 4, "lat": 0.5, "batch": [2, 8, 2]' in (out / "agentrl-long24k-lat0.5-2.log").read_text()
+        assert '"steps": 1, "batch": [1, 8, 2], "lat": 0.0' in (out / name).read_text()  # PEER_ARGS' steps
+    assert '"steps": 4, "batch": [2, 8, 2], "lat": 0.5' in (out / "agentrl-long24k-lat0.5-2.log").read_text()
     assert proc.stdout.count("== agentrl:long16k:like-lat0 ") == 2
     bad = subprocess.run(["bash", "bench/peers/device.sh", "agentrl:long16k:like:latency0"], cwd=work, timeout=60,
                          capture_output=True, text=True, env=env, check=False)
