@@ -16,7 +16,7 @@ import difflib
 from typing import Any
 
 from agentrl.config import Config, ConfigError
-from agentrl.env_ids import env_module_path
+from agentrl.env.ids import env_module_path
 
 __all__ = ["build_runtime_env"]
 
@@ -25,7 +25,7 @@ def build_runtime_env(cfg: Config) -> dict[str, Any]:
     """``cluster.runtime_env`` with the env's module added to ``py_modules``; checked by Ray's own
     validation, so a typo fails here, before any actor starts.
 
-    Call it after the env module is imported (:func:`agentrl.env_ids.check_env`).
+    Call it after the env module is imported (:func:`agentrl.env.ids.check_env`).
 
     Raises:
         ConfigError: naming ``cluster.runtime_env`` (with a did-you-mean for a misspelled key).

@@ -108,7 +108,7 @@ def _describe(cycle: list[str], graph: dict[str, dict[str, int]], modules: dict[
 
 def test_no_import_cycles_in_the_package():
     modules = package_modules()
-    assert {"agentrl.trainer", "agentrl.envs.base", "agentrl.actors.learner"} <= set(modules)
+    assert {"agentrl.driver.trainer", "agentrl.envs.base", "agentrl.actors.learner"} <= set(modules)
     graph = import_graph(modules)
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle:\n" + _describe(cycle, graph, modules)
@@ -136,27 +136,27 @@ def test_floors_match_roles():
     of Ray or vLLM (DESIGN.md, STYLE.md)."""
     modules = package_modules()
     graph = import_graph(modules)
-    importers_of_trainer = {m for m, deps in graph.items() if "agentrl.trainer" in deps}
-    assert importers_of_trainer <= {"agentrl.pipeline"}, importers_of_trainer
+    importers_of_trainer = {m for m, deps in graph.items() if "agentrl.driver.trainer" in deps}
+    assert importers_of_trainer <= {"agentrl.driver.pipeline"}, importers_of_trainer
     # the driver is three modules: the loop (trainer), its fault handling (supervision) and its
     # weight syncs (weight_sync), parts of it that only the loop imports
-    for part in ("agentrl.supervision", "agentrl.weight_sync"):
+    for part in ("agentrl.driver.supervision", "agentrl.weights.sync"):
         importers = {m for m, deps in graph.items() if part in deps}
-        assert importers <= {"agentrl.trainer"}, (part, importers)
-    driver = {"agentrl.trainer", "agentrl.supervision", "agentrl.weight_sync"}
+        assert importers <= {"agentrl.driver.trainer"}, (part, importers)
+    driver = {"agentrl.driver.trainer", "agentrl.driver.supervision", "agentrl.weights.sync"}
     for name, path in modules.items():
         external = _external_imports(path)
         if not (name.startswith("agentrl.actors") or name in driver):
             assert "ray" not in external, f"{path.relative_to(REPO)} imports Ray"
         if name.startswith("agentrl.envs"):
             assert not {"ray", "vllm"} & external, f"{path.relative_to(REPO)} imports Ray or vLLM"
-            assert not {m for m in graph[name] if not m.startswith(("agentrl.envs", "agentrl.tool_calls",
-                                                                      "agentrl.chat"))}, name
+            assert not {m for m in graph[name] if not m.startswith(("agentrl.envs", "agentrl.rollout.tool_calls",
+                                                                      "agentrl.rollout.chat"))}, name
     # Model loading has one home: the driver, SFT, eval and the learners reach it there.
-    for user in ("agentrl.trainer", "agentrl.pipeline", "agentrl.sft", "agentrl.evaluate",
-                 "agentrl.learners.torch_learner"):
-        assert "agentrl.models" in graph[user], user
-    assert "agentrl.optim" in graph["agentrl.tiny"] and "agentrl.sft" not in graph["agentrl.tiny"]
+    for user in ("agentrl.driver.trainer", "agentrl.driver.pipeline", "agentrl.driver.sft", "agentrl.driver.evaluate",
+                 "agentrl.learner.torch_learner"):
+        assert "agentrl.model.loading" in graph[user], user
+    assert "agentrl.learner.optim" in graph["agentrl.model.tiny"] and "agentrl.driver.sft" not in graph["agentrl.model.tiny"]
 
 
 def _external_imports(path: Path) -> set[str]:
@@ -170,8 +170,8 @@ def _external_imports(path: Path) -> set[str]:
 
 
 @pytest.mark.parametrize("old, new", [
-    ("agentrl.trainer:resolve_model_path", "agentrl.models:resolve_model_path"),
-    ("agentrl.sft:plateau_schedule", "agentrl.optim:plateau_schedule"),
+    ("agentrl.driver.trainer:resolve_model_path", "agentrl.model.loading:resolve_model_path"),
+    ("agentrl.driver.sft:plateau_schedule", "agentrl.learner.optim:plateau_schedule"),
 ])
 def test_moved_names_still_import_with_a_deprecation(old, new):
     import importlib
@@ -189,13 +189,13 @@ def test_moved_names_still_import_with_a_deprecation(old, new):
 
 
 def test_load_hf_model_keeps_its_learner_path():
-    from agentrl.learners.torch_learner import load_hf_model
-    from agentrl.models import load_hf_model as home
+    from agentrl.learner.torch_learner import load_hf_model
+    from agentrl.model.loading import load_hf_model as home
 
     assert load_hf_model is home
 
 
-@pytest.mark.parametrize("module", ["agentrl.models", "agentrl.optim", "agentrl.progress", "agentrl.lora"])
+@pytest.mark.parametrize("module", ["agentrl.model.loading", "agentrl.learner.optim", "agentrl.driver.progress", "agentrl.learner.lora"])
 def test_doctests(module):
     import importlib
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from agentrl.config_base import Section
+from agentrl.config.base import Section
 
 __all__ = ["FAST_OPTIONS", "LearnerConfig", "LoRAConfig", "MegatronConfig", "graph_length", "resolve_fast_options"]
 

@@ -14,8 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from agentrl.config_base import ConfigError, Section
-from agentrl.config_learner import (
+from agentrl.config.base import ConfigError, Section
+from agentrl.config.learner import (
     FAST_OPTIONS,
     LearnerConfig,
     LoRAConfig,
@@ -23,7 +23,7 @@ from agentrl.config_learner import (
     graph_length,
     resolve_fast_options,
 )
-from agentrl.config_rollout import (
+from agentrl.config.rollout import (
     AgentConfig,
     EngineConfig,
     EnvConfig,
@@ -31,7 +31,7 @@ from agentrl.config_rollout import (
     RolloutConfig,
     TinyModelConfig,
 )
-from agentrl.config_training import (
+from agentrl.config.training import (
     AdvantageConfig,
     ColocateConfig,
     DistillConfig,
@@ -331,7 +331,7 @@ class Config(Section):
                                  f"(<= 1); engine.num_engines ({self.engine.num_engines}) are dealt over the "
                                  f"learner's {world} GPU(s)")
         if self.refit.transport != "auto":
-            from agentrl.refit import resolve_transport
+            from agentrl.weights.transports import resolve_transport
 
             resolve_transport(self.refit.transport, engine_on_gpu=self.engine.num_gpus > 0,
                               same_gpu=co.enabled and self.engine.num_gpus > 0)

@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from agentrl.config_base import Section
-from agentrl.tool_calls import tool_parser_error
+from agentrl.config.base import Section
+from agentrl.rollout.tool_calls import tool_parser_error
 
 __all__ = ["AgentConfig", "EngineConfig", "EnvConfig", "ModelConfig", "RolloutConfig", "TinyModelConfig"]
 

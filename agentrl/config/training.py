@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from agentrl.config_base import Section
+from agentrl.config.base import Section
 
 __all__ = ["AdvantageConfig", "ColocateConfig", "DistillConfig", "ImportanceSamplingConfig", "KLConfig", "LossConfig", "PackingConfig", "RefitConfig", "ReplayConfig", "WatchdogConfig"]
 

@@ -26,13 +26,13 @@ async def run_episodes(model: str, env_id: str, num_episodes: int, seed_offset: 
     import gymnasium as gym
     from transformers import AutoTokenizer
 
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
     from agentrl.config import EngineConfig, RolloutConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.env_ids import check_env
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from agentrl.env.ids import check_env
     from agentrl.envs.base import set_tool_parser
-    from agentrl.rollout import run_episode
-    from agentrl.tool_calls import build_tool_parser
+    from agentrl.rollout.episode import run_episode
+    from agentrl.rollout.tool_calls import build_tool_parser
 
     env_id = check_env(env_id, key="--env")  # unknown ids fail here, with gymnasium's suggestions
     cfg = RolloutConfig(**rollout_overrides)
@@ -66,7 +66,7 @@ async def run_episodes(model: str, env_id: str, num_episodes: int, seed_offset: 
 
 async def _evaluate(model: str, env_id: str, num_episodes: int, seed_offset: int, temperature: float,
                     rollout_overrides: dict[str, Any]) -> dict[str, float]:
-    from agentrl.rollout import summarize
+    from agentrl.rollout.episode import summarize
 
     trajs = await run_episodes(model, env_id, num_episodes, seed_offset, temperature, rollout_overrides)
     return {k.replace("rollout/", "eval/"): v for k, v in summarize(trajs).items()}
@@ -76,9 +76,9 @@ def evaluate_model(model: str, env_id: str, *, num_episodes: int = 64, seed_offs
                    temperature: float = 0.0, **rollout_overrides: Any) -> dict[str, float]:
     """Evaluate ``model`` (HF directory) on ``num_episodes`` seeds of ``env_id`` starting at ``seed_offset``."""
     from agentrl.config import ConfigError
-    from agentrl.env_ids import check_env
-    from agentrl.models import is_model_dir
-    from agentrl.tool_calls import tool_parser_error
+    from agentrl.env.ids import check_env
+    from agentrl.model.loading import is_model_dir
+    from agentrl.rollout.tool_calls import tool_parser_error
 
     if not is_model_dir(model):
         raise FileNotFoundError(f"--model: '{model}' is not a Hugging Face model directory (no config.json)")

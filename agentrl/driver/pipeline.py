@@ -23,26 +23,26 @@ def _explicit_ray_auth_mode(cfg: Config) -> None:
 def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
     _explicit_ray_auth_mode(cfg)
     from agentrl.actors.runtime_env import build_runtime_env
-    from agentrl.env_ids import check_env
-    from agentrl.models import resolve_model_path
-    from agentrl.trainer import Trainer
+    from agentrl.env.ids import check_env
+    from agentrl.model.loading import resolve_model_path
+    from agentrl.driver.trainer import Trainer
 
     # Mistakes in the env or the runtime env fail here, before the model is made, SFT or Ray start.
     if cfg.agent.solve is not None:  # the agent's functions and tasks: imported (and shipped) like env modules
-        from agentrl.agents import load_agent
+        from agentrl.rollout.agent.user import load_agent
 
         load_agent(cfg.agent)
     if cfg.agent.solve is None or cfg.sft.enabled:
         check_env(cfg.env.id, cfg.env.kwargs, need_expert=cfg.sft.enabled)
     build_runtime_env(cfg)
     if cfg.metrics.wandb.enabled:
-        from agentrl.metrics import require_wandb
+        from agentrl.driver.metrics import require_wandb
 
         require_wandb()
     model_path = resolve_model_path(cfg)
     summary: dict[str, Any] = {}
     if cfg.sft.enabled:
-        from agentrl.sft import run_sft
+        from agentrl.driver.sft import run_sft
 
         model_path = str(run_sft(cfg))
     trainer = Trainer(cfg, model_path=model_path, resume=resume, progress=progress)

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
     from agentrl.config import Config
-    from agentrl.tool_calls import ToolCallParser
+    from agentrl.rollout.tool_calls import ToolCallParser
 
 __all__ = ["build_demonstrations", "digit_tokens", "run_sft"]
 
@@ -31,9 +31,9 @@ def __getattr__(name: str):
     if name == "plateau_schedule":  # moved beside the optimizer code; the old path keeps working
         import warnings
 
-        from agentrl.optim import plateau_schedule
+        from agentrl.learner.optim import plateau_schedule
 
-        warnings.warn("agentrl.sft.plateau_schedule moved to agentrl.optim.plateau_schedule", DeprecationWarning,
+        warnings.warn("agentrl.driver.sft.plateau_schedule moved to agentrl.learner.optim.plateau_schedule", DeprecationWarning,
                       stacklevel=2)
         return plateau_schedule
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -60,7 +60,7 @@ def build_demonstrations(
     import gymnasium as gym
 
     import agentrl.envs  # noqa: F401
-    from agentrl.env_ids import import_env_module
+    from agentrl.env.ids import import_env_module
     from agentrl.envs.base import set_tool_parser
 
     env = gym.make(import_env_module(env_id), **(env_kwargs or {}))
@@ -109,13 +109,13 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     import torch
     from transformers import AutoTokenizer
 
-    from agentrl.chat import ChatRenderer
-    from agentrl.env_ids import check_env
-    from agentrl.learners.hf_forward import packed_token_logprobs
-    from agentrl.models import copy_tokenizer_files, load_hf_model, resolve_model_path
-    from agentrl.optim import adamw, plateau_schedule
-    from agentrl.packing import make_microbatches, pack_sequences
-    from agentrl.tool_calls import build_tool_parser
+    from agentrl.rollout.chat import ChatRenderer
+    from agentrl.env.ids import check_env
+    from agentrl.learner.hf_forward import packed_token_logprobs
+    from agentrl.model.loading import copy_tokenizer_files, load_hf_model, resolve_model_path
+    from agentrl.learner.optim import adamw, plateau_schedule
+    from agentrl.learner.packing import make_microbatches, pack_sequences
+    from agentrl.rollout.tool_calls import build_tool_parser
 
     check_env(cfg.env.id, cfg.env.kwargs, need_expert=True)  # before the model loads
     sc = cfg.sft

@@ -1,6 +1,6 @@
 """The driver's side of fault handling: deadlines with a diagnosis, and what it restarts.
 
-:class:`Supervision` is a part of :class:`agentrl.trainer.Trainer` (a mixin over the driver's
+:class:`Supervision` is a part of :class:`agentrl.driver.trainer.Trainer` (a mixin over the driver's
 state: its actors, watchdog, versions and counters): waits under the watchdog, the recovery that
 the watchdog calls when a deadline passes (restart a frozen engine, replace a dead or frozen
 rollout actor), and the catch-up of an engine that Ray restarted with older weights. The driver's
@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from agentrl.watchdog import ActorReport, RunStopped
+from agentrl.driver.watchdog import ActorReport, RunStopped
 
 __all__ = ["Supervision"]
 

@@ -23,22 +23,22 @@ from typing import Any
 import ray
 
 from agentrl.config import Config, ConfigError
-from agentrl.distill import reverse_kl_summary
-from agentrl.metrics import MetricsLogger, require_wandb
-from agentrl.models import resolve_model_path as _resolve_model_path
-from agentrl.models import tokenizer_vocab_limit
-from agentrl.refit import resolve_transport
-from agentrl.rollout import summarize
-from agentrl.supervision import Supervision
-from agentrl.watchdog import RunStalled, RunStopped
-from agentrl.weight_sync import WeightSync
+from agentrl.learner.distill import reverse_kl_summary
+from agentrl.driver.metrics import MetricsLogger, require_wandb
+from agentrl.model.loading import resolve_model_path as _resolve_model_path
+from agentrl.model.loading import tokenizer_vocab_limit
+from agentrl.weights.transports import resolve_transport
+from agentrl.rollout.episode import summarize
+from agentrl.driver.supervision import Supervision
+from agentrl.driver.watchdog import RunStalled, RunStopped
+from agentrl.weights.sync import WeightSync
 
 __all__ = ["Trainer"]
 
 
 def __getattr__(name: str):
     if name == "resolve_model_path":  # moved below the driver; the old path keeps working
-        warnings.warn("agentrl.trainer.resolve_model_path moved to agentrl.models.resolve_model_path",
+        warnings.warn("agentrl.driver.trainer.resolve_model_path moved to agentrl.model.loading.resolve_model_path",
                       DeprecationWarning, stacklevel=2)
         return _resolve_model_path
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -77,11 +77,11 @@ class Trainer(Supervision, WeightSync):
 
     def __init__(self, cfg: Config, *, model_path: str | None = None, resume: bool = False, progress: bool = True) -> None:
         from agentrl.actors.runtime_env import build_runtime_env
-        from agentrl.env_ids import check_env
+        from agentrl.env.ids import check_env
 
         self.cfg = cfg
         if cfg.agent.solve is not None:  # the agent, its scorer and tasks import: before Ray
-            from agentrl.agents import load_agent
+            from agentrl.rollout.agent.user import load_agent
 
             load_agent(cfg.agent)
             for key in ("tasks", "eval_tasks"):  # a task file is read by the rollout actors, elsewhere
@@ -95,7 +95,7 @@ class Trainer(Supervision, WeightSync):
         self.runtime_env = build_runtime_env(cfg)
         self.model_path = model_path or _resolve_model_path(cfg)
         if cfg.distill.enabled:
-            from agentrl.distill import check_teacher
+            from agentrl.learner.distill import check_teacher
 
             check_teacher(cfg.distill.teacher, self.model_path)  # before Ray: a wrong path or tokenizer
         self.teachers: list[Any] = []
@@ -371,7 +371,7 @@ class Trainer(Supervision, WeightSync):
         return self.cfg.learner.num_gpus > 0 if ov == "auto" else bool(ov)
 
     def _loop(self, logger: MetricsLogger) -> dict[str, Any]:
-        from agentrl.progress import TrainProgress
+        from agentrl.driver.progress import TrainProgress
 
         cfg = self.cfg
         last: dict[str, Any] = {}
@@ -582,7 +582,7 @@ class Trainer(Supervision, WeightSync):
                 except Exception:
                     pass
             self.actors_started = False
-            from agentrl.engines.vllm_engine import sweep_dead_engine_files
+            from agentrl.engine.vllm_engine import sweep_dead_engine_files
 
             engine_pids = [pid for name, pid in (self.watchdog.pids if self.watchdog else {}).items()
                            if name.startswith(("engine", "teacher"))]

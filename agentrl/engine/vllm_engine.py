@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     import torch
 
     from agentrl.config import EngineConfig, LoRAConfig
-    from agentrl.refit import RefitPayload
+    from agentrl.weights.transports import RefitPayload
 
 __all__ = ["GenerationResult", "VLLMEngine"]
 
@@ -161,7 +161,7 @@ class VLLMEngine:
             model=self.model_path, dtype=self.dtype, seed=self.seed, max_model_len=self.cfg.max_model_len,
             max_num_seqs=self.cfg.max_num_seqs, enforce_eager=self.cfg.enforce_eager,
             gpu_memory_utilization=self.cfg.gpu_memory_utilization, logprobs_mode="processed_logprobs",
-            enable_prefix_caching=True, worker_extension_cls="agentrl.engines.worker_ext.WeightSyncExtension",
+            enable_prefix_caching=True, worker_extension_cls="agentrl.weights.vllm_worker.WeightSyncExtension",
             enable_sleep_mode=self.enable_sleep_mode, **self._lora_args())
         if self.cfg.max_num_batched_tokens is not None:  # auto is resolved by the config; None: vLLM's default
             kwargs["max_num_batched_tokens"] = self.cfg.max_num_batched_tokens
@@ -180,7 +180,7 @@ class VLLMEngine:
     def _lora_args(self) -> dict:
         if self.lora is None:
             return {}
-        from agentrl.lora import engine_max_rank
+        from agentrl.learner.lora import engine_max_rank
 
         # One adapter (the policy); its dtype is the model's (lora_dtype "auto").
         return {"enable_lora": True, "max_lora_rank": engine_max_rank(self.lora.rank), "max_loras": 1,
@@ -314,7 +314,7 @@ class VLLMEngine:
         """Swap in new weights and advance the version.
 
         ``weights`` is a dict of CPU tensors (object-store transport) or a
-        :class:`agentrl.refit.RefitPayload` (CUDA IPC handle, or the layout of a broadcast the
+        :class:`agentrl.weights.transports.RefitPayload` (CUDA IPC handle, or the layout of a broadcast the
         learner sends at the same time). ``drain`` lets in-flight requests finish first;
         ``continue`` freezes them, swaps, and resumes them on the new weights. While the engine
         sleeps (colocated), the weights are loaded into the woken weight memory and the KV cache
@@ -367,7 +367,7 @@ class VLLMEngine:
 
         from vllm.lora.request import LoRARequest
 
-        from agentrl.lora import ADAPTER_CONFIG, adapter_config, write_adapter_dir
+        from agentrl.learner.lora import ADAPTER_CONFIG, adapter_config, write_adapter_dir
 
         loop = asyncio.get_running_loop()
         config = adapter_config(self.lora, self.model_path)

@@ -1,5 +1,5 @@
-"""Learner backends behind one contract (:mod:`agentrl.learners.base`)."""
+"""Learner backends behind one contract (:mod:`agentrl.learner.base`)."""
 
-from agentrl.learners.base import LEARNERS, Learner, build_learner
+from agentrl.learner.base import LEARNERS, Learner, build_learner
 
 __all__ = ["LEARNERS", "Learner", "build_learner"]

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from agentrl.config import AdvantageConfig, ConfigError
-from agentrl.trajectory import TrajectoryGroup
+from agentrl.rollout.trajectory import TrajectoryGroup
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -193,7 +193,7 @@ def trajectory_token_advantages(group: TrajectoryGroup, cfg: AdvantageConfig) ->
     if not live:
         return out
     per_turn = [turn_returns(group.trajectories[i].turn_rewards, cfg.turn_discount) for i in live]
-    # The segments of one agent episode (info["episode"], agentrl.recorder) count once in the
+    # The segments of one agent episode (info["episode"], agentrl.rollout.agent.recorder) count once in the
     # baseline: their mean return stands for the episode.
     keys = [group.trajectories[i].info.get("episode", f"#{i}") for i in live]
     episodes = list(dict.fromkeys(keys))

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import torch
 
     from agentrl.config import Config
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = ["LEARNERS", "Learner", "build_learner"]
 
@@ -51,8 +51,8 @@ class Learner(Protocol):
 
 # type string -> "module:Class"; imported only when selected, so core never imports Megatron.
 LEARNERS: dict[str, str] = {
-    "torch": "agentrl.learners.torch_learner:TorchLearner",
-    "megatron": "agentrl.learners.megatron.learner:MegatronLearner",
+    "torch": "agentrl.learner.torch_learner:TorchLearner",
+    "megatron": "agentrl.learner.megatron.learner:MegatronLearner",
 }
 
 

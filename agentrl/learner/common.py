@@ -12,15 +12,15 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agentrl.advantages import trajectory_token_advantages
-from agentrl.distill import distill_token_advantages, top_k_kl
-from agentrl.losses import aggregate_token_losses, compute_policy_loss
-from agentrl.optim import torch_optimizers
-from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, unpack_padded
+from agentrl.learner.advantages import trajectory_token_advantages
+from agentrl.learner.distill import distill_token_advantages, top_k_kl
+from agentrl.learner.losses import aggregate_token_losses, compute_policy_loss
+from agentrl.learner.optim import torch_optimizers
+from agentrl.learner.packing import PackedBatch, make_microbatches, pack_sequences, unpack_padded
 
 if TYPE_CHECKING:
     from agentrl.config import AdvantageConfig, DistillConfig, LossConfig, PackingConfig
-    from agentrl.trajectory import TrajectoryGroup
+    from agentrl.rollout.trajectory import TrajectoryGroup
 
 __all__ = [
     "PEAKS",
@@ -49,7 +49,7 @@ class TrainSample:
     advantages: list[float]
     policy_versions: list[int]
     teacher_top_ids: list[list[int]] | None = None
-    """Dense distillation: the teacher's top-k ids per token (see :class:`agentrl.trajectory.Trajectory`)."""
+    """Dense distillation: the teacher's top-k ids per token (see :class:`agentrl.rollout.trajectory.Trajectory`)."""
     teacher_top_logprobs: list[list[float]] | None = None
 
     def __len__(self) -> int:
@@ -60,7 +60,7 @@ def build_samples(groups: list["TrajectoryGroup"], adv_cfg: "AdvantageConfig",
                   distill_cfg: "DistillConfig | None" = None) -> list[TrainSample]:
     """Advantages per group, then one sample per trainable trajectory with sampled tokens. With
     ``distill_cfg`` enabled (a teacher), each token's advantage is the distillation one
-    (:func:`agentrl.distill.distill_token_advantages`) with the task advantage weighted in."""
+    (:func:`agentrl.learner.distill.distill_token_advantages`) with the task advantage weighted in."""
     distill = distill_cfg is not None and distill_cfg.enabled
     samples = []
     for group in groups:
@@ -147,7 +147,7 @@ def microbatch_loss(
     ``prox_logprobs`` None means bypass mode (the behaviour policy is the proximal policy).
     ``top_k_logprobs`` (``[T, k]``, dense distillation): the student's logprobs of the teacher's
     top-k ids (``packed.fields["teacher_top_ids"]``); adds ``distill_coef`` times the per-token
-    :func:`agentrl.distill.top_k_kl` (``distill_direction``) on the policy tokens, aggregated as
+    :func:`agentrl.learner.distill.top_k_kl` (``distill_direction``) on the policy tokens, aggregated as
     the policy loss is.
     """
     def rows(flat: torch.Tensor) -> torch.Tensor:

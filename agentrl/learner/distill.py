@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     import torch
 
     from agentrl.config import DistillConfig
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = [
     "check_teacher",
@@ -90,7 +90,7 @@ def distill_token_advantages(
 
     Example:
         >>> from agentrl.config import DistillConfig
-        >>> from agentrl.trajectory import Trajectory
+        >>> from agentrl.rollout.trajectory import Trajectory
         >>> t = Trajectory([5, 6, 7], [0, 1, 1], [0.0, -0.5, -2.0], [-1, 0, 0], teacher_logprobs=[0.0, -0.1, -3.0])
         >>> [round(a, 3) for a in distill_token_advantages(t, [0.0, 1.0, 1.0], DistillConfig(teacher="t", reward_weight=0.5))]
         [0.0, 0.9, -0.5]
@@ -186,9 +186,9 @@ async def score_group(group: "TrajectoryGroup", score: "Callable[[list[int]], Aw
     """Have the teacher score every trainable trajectory of ``group`` at once, in place.
 
     ``score(token_ids)`` returns the teacher's logprob of each token given its prefix (0.0 at
-    position 0), as :meth:`agentrl.engines.vllm_engine.VLLMEngine.score` does on the student's
+    position 0), as :meth:`agentrl.engine.vllm_engine.VLLMEngine.score` does on the student's
     exact ids; each trajectory keeps them on its policy tokens (``teacher_logprobs``). A dict
-    (:meth:`~agentrl.engines.vllm_engine.VLLMEngine.score_top_k`: ``logprobs``, ``top_ids``,
+    (:meth:`~agentrl.engine.vllm_engine.VLLMEngine.score_top_k`: ``logprobs``, ``top_ids``,
     ``top_logprobs``) also fills ``teacher_top_ids`` / ``teacher_top_logprobs`` on the policy
     tokens (zeros elsewhere).
     """

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from agentrl.packed import PackedBatch, to_device
+from agentrl.learner.packed import PackedBatch, to_device
 
 __all__ = [
     "PACKED_ATTENTION",
@@ -229,7 +229,7 @@ def _packed_attention(
     if isinstance(attention_mask, BlockMask):
         # Compiled for any length and grad mode, and never silently eager (eager FlexAttention
         # materializes the [heads, T, T] scores): the Megatron learner's compiled kernels.
-        from agentrl.learners.megatron.compiled import flex_attention as compiled_flex
+        from agentrl.learner.megatron.compiled import flex_attention as compiled_flex
 
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         out = compiled_flex(query, key, value, attention_mask, scale)
@@ -256,7 +256,7 @@ def document_block_mask(batch: PackedBatch) -> Any:
     Built from the boundaries kept on the host (no dense mask evaluated, no read back from the
     GPU): tiles inside one document skip the mask function, tiles across a boundary apply it,
     tiles of two documents are never visited."""
-    from agentrl.learners.megatron.cp_attention import document_causal_block_mask
+    from agentrl.learner.megatron.cp_attention import document_causal_block_mask
 
     total = batch.input_ids.shape[1]
     dev = batch.input_ids.device
@@ -319,7 +319,7 @@ def _device(model: torch.nn.Module) -> torch.device:
 
 FUSED_HEAD = True
 """On a GPU with bf16/fp16 weights, score tokens with the Megatron learner's compiled head
-(:func:`agentrl.learners.megatron.logprobs.vocab_parallel_logprobs` with ``fused=True``): the
+(:func:`agentrl.learner.megatron.logprobs.vocab_parallel_logprobs` with ``fused=True``): the
 float32 ``[chunk, vocab]`` logits and their elementwise passes stay in registers instead of memory
 (those passes were among the longest kernels of the torch learner's step at 1.5B on the H100:
 bench/RESULTS.md, eleventh session). False: :func:`chunked_logprobs` everywhere."""
@@ -340,7 +340,7 @@ def _scores_at(
     # out[p] = log p(ids[p] | hidden[p-1]) at those positions, 0 elsewhere.
     h, targets = hidden[where - 1], input_ids[where]
     if targets.dim() == 1 and _fused_head(h, weight):
-        from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
+        from agentrl.learner.megatron.logprobs import vocab_parallel_logprobs
 
         scores = vocab_parallel_logprobs(h, weight, targets, fused=True, **kw)
     else:
@@ -362,7 +362,7 @@ def packed_token_logprobs(
 
     Args:
         model: A transformers causal LM (e.g. ``Qwen2ForCausalLM``).
-        batch: Packed sequences from :func:`agentrl.packing.pack_sequences`.
+        batch: Packed sequences from :func:`agentrl.learner.packing.pack_sequences`.
         temperature: Logits are divided by it before ``log_softmax``.
         chunk_size: Tokens per LM-head chunk (``packing.logprob_chunk_size``).
         extra_ids: ``[1, T, K]`` or ``[T, K]`` more ids to score at every position (e.g. a
@@ -373,7 +373,7 @@ def packed_token_logprobs(
     Returns:
         ``[T]`` float32: ``out[t] = log p(input_ids[t] | earlier tokens of its sequence)``, 0 at
         the first token of every sequence and on padding. Differentiable w.r.t. the model's
-        parameters. Use :func:`agentrl.packing.unpack` to get per-sequence tensors back. With
+        parameters. Use :func:`agentrl.learner.packing.unpack` to get per-sequence tensors back. With
         ``extra_ids``: ``(out, extra)``, ``extra[t, k] = log p(extra_ids[t, k] | ...)`` ``[T, K]``.
     """
     enable_packed_attention(model)

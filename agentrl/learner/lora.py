@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     import torch
 
     from agentrl.config import LoRAConfig
-    from agentrl.refit import FlatSpec
+    from agentrl.weights.transports import FlatSpec
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -228,7 +228,7 @@ def merged_weights(peft_model: Any, *, device: str | torch.device = "cpu") -> di
 
 def merged_flat(peft_model: Any, device: str | torch.device | None = None) -> tuple[torch.Tensor, FlatSpec]:
     """:func:`merged_weights` packed straight into one flat refit buffer (the layout of
-    :func:`agentrl.refit.flatten_weights`, on ``device``, default the model's): the base's tensors
+    :func:`agentrl.weights.transports.flatten_weights`, on ``device``, default the model's): the base's tensors
     are copied in once and each adapted weight gets its delta added in place, so a GPU refit of
     merged weights holds the buffer and one layer's delta, never a merged copy of the model beside
     the buffer.
@@ -237,7 +237,7 @@ def merged_flat(peft_model: Any, device: str | torch.device | None = None) -> tu
         >>> import torch
         >>> from transformers import Qwen2Config, Qwen2ForCausalLM
         >>> from agentrl.config import LoRAConfig
-        >>> from agentrl.refit import unflatten_weights
+        >>> from agentrl.weights.transports import unflatten_weights
         >>> base = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64,
         ...     num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1))
         >>> model = wrap_model(base, LoRAConfig(rank=2))
@@ -249,7 +249,7 @@ def merged_flat(peft_model: Any, device: str | torch.device | None = None) -> tu
     """
     import torch
 
-    from agentrl.refit import flatten_weights, unflatten_weights
+    from agentrl.weights.transports import flatten_weights, unflatten_weights
 
     base = peft_model.get_base_model()
     with torch.no_grad():
@@ -287,7 +287,7 @@ def merge_adapter(adapter_dir: str | Path, out_dir: str | Path, *, base: str | P
     """
     from peft import PeftModel
 
-    from agentrl.models import copy_tokenizer_files, is_model_dir, load_hf_model
+    from agentrl.model.loading import copy_tokenizer_files, is_model_dir, load_hf_model
 
     adapter_dir = Path(adapter_dir)
     if not (adapter_dir / ADAPTER_CONFIG).is_file() or not (adapter_dir / ADAPTER_WEIGHTS).is_file():

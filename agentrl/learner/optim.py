@@ -1,6 +1,6 @@
 """Optimizers and learning-rate schedules of the torch code paths (the RL learner on CPU or one
 GPU, SFT, the tiny model's induction stage). The Megatron learner builds Megatron-Core's own
-optimizer (:mod:`agentrl.learners.megatron.parallel`) and switches it to the fused kernel with
+optimizer (:mod:`agentrl.learner.megatron.parallel`) and switches it to the fused kernel with
 :func:`fuse_adamw`. Knows nothing of configs or models.
 """
 

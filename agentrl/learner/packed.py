@@ -1,5 +1,5 @@
 """Packed ``[1, T]`` tensors: sequences concatenated into one row with ``cu_seqlens`` boundaries
-and position ids that restart at every sequence (what :mod:`agentrl.packing`'s micro-batches
+and position ids that restart at every sequence (what :mod:`agentrl.learner.packing`'s micro-batches
 become), and back.
 
 Example:

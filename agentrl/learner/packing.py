@@ -5,8 +5,8 @@ rectangle wastes most of the batch. Instead, sequences are placed into bins of
 ``packing.max_tokens_per_microbatch`` tokens (first-fit-decreasing, or Johnson & Garey's
 modified first-fit-decreasing), and each bin is concatenated into one row with ``cu_seqlens``
 boundaries and position ids that restart at every sequence. Attention is then masked per
-document by the learner (see ``agentrl.learners.hf_forward``). The tensors are
-:mod:`agentrl.packed`'s, imported here.
+document by the learner (see ``agentrl.learner.hf_forward``). The tensors are
+:mod:`agentrl.learner.packed`'s, imported here.
 
 Example:
     >>> bins = mffd([700, 500, 300, 300, 200], capacity=1000)
@@ -23,8 +23,8 @@ import bisect
 import itertools
 from collections.abc import Callable, Sequence
 
-# The packed [1, T] tensors live in agentrl.packed; their names are this module's too.
-from agentrl.packed import (
+# The packed [1, T] tensors live in agentrl.learner.packed; their names are this module's too.
+from agentrl.learner.packed import (
     PackedBatch,
     pack_sequences,
     padded_length,

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
-from agentrl.learners.common import (
+from agentrl.learner.common import (
     PEAKS,
     build_samples,
     global_counts,
@@ -24,20 +24,20 @@ from agentrl.learners.common import (
     plan_microbatches,
     with_signal,
 )
-from agentrl.learners.hf_forward import packed_token_logprobs
-from agentrl.models import copy_tokenizer_files, load_hf_model, tokenizer_vocab_limit  # load_hf_model: also public here, as before
-from agentrl.optim import adamw, fuse_adamw
+from agentrl.learner.hf_forward import packed_token_logprobs
+from agentrl.model.loading import copy_tokenizer_files, load_hf_model, tokenizer_vocab_limit  # load_hf_model: also public here, as before
+from agentrl.learner.optim import adamw, fuse_adamw
 
 if TYPE_CHECKING:
     from agentrl.config import Config
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = ["TorchLearner", "load_hf_model"]
 
 
 
 class TorchLearner:
-    """Learner over a Hugging Face model; see :class:`agentrl.learners.base.Learner`.
+    """Learner over a Hugging Face model; see :class:`agentrl.learner.base.Learner`.
 
     Args:
         cfg: the run config (model, learner, loss, advantage, packing, rollout.temperature).
@@ -52,7 +52,7 @@ class TorchLearner:
         self.model = load_hf_model(self.model_path, cfg.model.dtype, self.device)
         self.lora = cfg.learner.lora if cfg.learner.lora.enabled else None
         if self.lora is not None:
-            from agentrl.lora import wrap_model
+            from agentrl.learner.lora import wrap_model
 
             # Adapters over a frozen base; the KL reference is the base itself (adapters disabled).
             self.model = wrap_model(self.model, self.lora, self.model_path)
@@ -165,7 +165,7 @@ class TorchLearner:
     @torch.no_grad()
     def logprobs(self, trajectories: list["Trajectory"]) -> list[list[float]]:
         """Per-token logprobs under the current weights (0.0 at each sequence's first token)."""
-        from agentrl.packing import pack_sequences, unpack
+        from agentrl.learner.packing import pack_sequences, unpack
 
         out: list[list[float]] = []
         for traj in trajectories:
@@ -177,7 +177,7 @@ class TorchLearner:
         """HF-named weights: copies on CPU, or (``device="cuda"``, for a GPU refit) the model's own
         GPU tensors, which the refit copies into its flat buffer. With LoRA: base + adapter, merged."""
         if self.lora is not None:
-            from agentrl.lora import merged_weights
+            from agentrl.learner.lora import merged_weights
 
             return merged_weights(self.model, device=device)
         if torch.device(device).type == "cuda" and self.device.type == "cuda":
@@ -186,10 +186,10 @@ class TorchLearner:
 
     def export_merged_flat(self, device: str | torch.device = "cpu") -> tuple[torch.Tensor, Any]:
         """LoRA served merged (``learner.lora.serve: merged``), for a CUDA IPC or NCCL refit: base +
-        adapter packed into one flat buffer and its :class:`agentrl.refit.FlatSpec`; the merge is
+        adapter packed into one flat buffer and its :class:`agentrl.weights.transports.FlatSpec`; the merge is
         made in the buffer. The buffer is on the learner's GPU for ``device="cuda"`` (as
         :meth:`export_weights` hands out the GPU tensors), else on the CPU."""
-        from agentrl.lora import merged_flat
+        from agentrl.learner.lora import merged_flat
 
         if self.lora is None:
             raise RuntimeError("export_merged_flat: learner.lora is off (rank 0); use export_weights")
@@ -199,7 +199,7 @@ class TorchLearner:
     def export_adapter(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """The LoRA adapter's tensors (PEFT names, the model's dtype): copies on CPU, or with
         ``device="cuda"`` the learner's own GPU tensors (a GPU refit copies them into its buffer)."""
-        from agentrl.lora import adapter_tensors
+        from agentrl.learner.lora import adapter_tensors
 
         if self.lora is None:
             raise RuntimeError("export_adapter: learner.lora is off (rank 0); use export_weights")
@@ -208,7 +208,7 @@ class TorchLearner:
 
     @property
     def dtype(self) -> torch.dtype:
-        from agentrl.models import torch_dtype
+        from agentrl.model.loading import torch_dtype
 
         return torch_dtype(self.cfg.model.dtype)
 
@@ -247,7 +247,7 @@ class TorchLearner:
             from peft import set_peft_model_state_dict
             from safetensors.torch import load_file
 
-            from agentrl.lora import ADAPTER_WEIGHTS
+            from agentrl.learner.lora import ADAPTER_WEIGHTS
 
             result = set_peft_model_state_dict(self.model, load_file(str(path / "adapter" / ADAPTER_WEIGHTS),
                                                                      device=str(self.device)))

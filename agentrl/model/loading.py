@@ -81,7 +81,7 @@ def resolve_model_path(cfg: "Config") -> str:
     path = Path(cfg.model.path)
     if not is_model_dir(path):
         if cfg.model.bootstrap_tiny:
-            from agentrl.tiny import bootstrap_tiny
+            from agentrl.model.tiny import bootstrap_tiny
 
             bootstrap_tiny(path, seed=cfg.seed, family=cfg.model.family, **cfg.model.tiny.model_dump())
         else:
@@ -90,7 +90,7 @@ def resolve_model_path(cfg: "Config") -> str:
                 "Point it at a local checkpoint, or set model.bootstrap_tiny=true to create a tiny model there."
             )
     elif cfg.model.bootstrap_tiny:
-        from agentrl.tiny import tiny_stamp
+        from agentrl.model.tiny import tiny_stamp
 
         stamp = tiny_stamp(path) or {}
         made = stamp.get("family")

@@ -3,7 +3,7 @@
 Writes a Hugging Face model directory that vLLM and transformers both load: random weights
 (about 1M parameters) of the family's architecture (Qwen2, Qwen3, Llama, Mistral), a byte-level
 BPE tokenizer trained here on a small synthetic corpus with the family's special tokens, and a
-chat template in the family's format (:mod:`agentrl.tiny_templates`). Nothing is downloaded.
+chat template in the family's format (:mod:`agentrl.model.tiny_templates`). Nothing is downloaded.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentrl.tiny_templates import TEMPLATES
-from agentrl.tool_calls import FAMILY_TOOL_PARSERS, format_tool_call
+from agentrl.model.tiny_templates import TEMPLATES
+from agentrl.rollout.tool_calls import FAMILY_TOOL_PARSERS, format_tool_call
 
 __all__ = ["FAMILIES", "Family", "bootstrap_tiny", "induction_batch", "pretrain_induction", "tiny_corpus", "tiny_family",
            "tiny_stamp"]
@@ -236,9 +236,9 @@ def pretrain_induction(model, tokenizer, *, steps: int, lr: float = 3e-3, batch_
 
     import torch
 
-    from agentrl.learners.hf_forward import packed_token_logprobs
-    from agentrl.optim import adamw, plateau_schedule
-    from agentrl.packing import pack_sequences
+    from agentrl.learner.hf_forward import packed_token_logprobs
+    from agentrl.learner.optim import adamw, plateau_schedule
+    from agentrl.learner.packing import pack_sequences
 
     special = set(tokenizer.all_special_ids)
     token_ids = [i for i in range(len(tokenizer)) if i not in special]

@@ -1,7 +1,7 @@
 """Chat templates of the tiny models, one per family, written here from each family's documented format.
 
 Each follows its family where the token-in/token-out loop can tell: where tools are described,
-the tool-call syntax (the one :func:`agentrl.tool_calls.format_tool_call` writes), the role tool
+the tool-call syntax (the one :func:`agentrl.rollout.tool_calls.format_tool_call` writes), the role tool
 results come back in, and the token that ends an assistant turn. Tools are listed as one-line
 signatures rather than full JSON schemas: a ~1M-parameter model learns faster from a prompt of
 ~80 tokens than of ~250. (Jinja runs with trim_blocks: a newline right after a block tag is

@@ -37,7 +37,7 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.trajectory import TrajectoryGroup
+from agentrl.rollout.trajectory import TrajectoryGroup
 
 __all__ = ["DynamicSamplingStalled", "ReplayQueue", "ReplayStats", "raw_reward", "zero_spread"]
 
@@ -56,7 +56,7 @@ def zero_spread(group: TrajectoryGroup) -> bool:
     are trainable): GRPO/RLOO/Dr. GRPO advantages are then zero for every episode.
 
     Example:
-        >>> from agentrl.trajectory import Trajectory
+        >>> from agentrl.rollout.trajectory import Trajectory
         >>> def ep(r): return Trajectory([1, 2], [0, 1], [0.0, -1.0], [-1, 0], turn_rewards=[r])
         >>> zero_spread(TrajectoryGroup("t", [ep(1.0), ep(1.0)])), zero_spread(TrajectoryGroup("t", [ep(1.0), ep(0.0)]))
         (True, False)

@@ -9,7 +9,7 @@ message, would otherwise change them).
 
 The token that ends an assistant turn is read from the template (``<|im_end|>`` for Qwen,
 ``<|eot_id|>`` for Llama 3, ``</s>`` for Mistral); it need not be the tokenizer's EOS token.
-Tool-call parsing lives in :mod:`agentrl.tool_calls` (re-exported here). This module knows
+Tool-call parsing lives in :mod:`agentrl.rollout.tool_calls` (re-exported here). This module knows
 nothing of engines, envs or Ray.
 """
 
@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from agentrl.tool_calls import ToolCall, ToolCallParse, format_tool_call, format_tool_calls, parse_tool_calls
+from agentrl.rollout.tool_calls import ToolCall, ToolCallParse, format_tool_call, format_tool_calls, parse_tool_calls
 
 __all__ = [
     "ChatRenderer",

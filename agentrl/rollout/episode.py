@@ -13,9 +13,9 @@ from typing import Any, Callable, Protocol
 
 import anyio
 
-from agentrl.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.config import RolloutConfig
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = ["OVER_BUDGET", "EngineClient", "EpisodeFailed", "cap_tool_outputs", "request_seed", "run_episode", "run_group",
            "summarize", "widen_env_threads"]
@@ -286,7 +286,7 @@ async def run_group(
 
 def summarize(trajectories: list[Trajectory]) -> dict[str, float]:
     """Rollout metrics over finished trajectories. An agent episode recorded as several segments
-    (:mod:`agentrl.recorder`) counts once, by its last segment; ``rollout/segments`` is their
+    (:mod:`agentrl.rollout.agent.recorder`) counts once, by its last segment; ``rollout/segments`` is their
     mean number per episode."""
     if not trajectories:
         return {}

@@ -1,7 +1,7 @@
 """The driver's side of weight syncs: refits of the engines and, colocated, their sleep and wake.
 
-:class:`WeightSync` is a part of :class:`agentrl.trainer.Trainer` (a mixin over the driver's state,
-as :class:`agentrl.supervision.Supervision` is): the learner's export for a refit by
+:class:`WeightSync` is a part of :class:`agentrl.driver.trainer.Trainer` (a mixin over the driver's state,
+as :class:`agentrl.driver.supervision.Supervision` is): the learner's export for a refit by
 ``refit.transport`` (object store on CPU, CUDA IPC on the same GPU, NCCL broadcast across GPUs), the
 load into every engine on the refit thread (a lost object is exported again), the admission that
 opens at the new version once every engine serves it, and the colocated engines' sleep and wake
@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from agentrl.watchdog import RunStopped
+from agentrl.driver.watchdog import RunStopped
 
 __all__ = ["WeightSync"]
 

@@ -4,7 +4,7 @@ Mixed into every vLLM worker via ``worker_extension_cls`` and called through ``c
 ``collective_rpc`` serializes its arguments (tensors would arrive as nested lists), so weights
 travel as a safetensors file path on the engine's host (under /dev/shm where it exists), as a CUDA
 IPC handle of the learner's flat GPU buffer (same GPU), or through a broadcast in a process group
-of their own (:class:`agentrl.refit.WeightGroup`); see agentrl/refit.py.
+of their own (:class:`agentrl.weights.transports.WeightGroup`); see agentrl/weights/transports.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ class WeightSyncExtension:
         """Reload weights from views of the learner's flat GPU buffer, opened by CUDA IPC handle."""
         import torch
 
-        from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+        from agentrl.weights.transports import open_ipc_handle, spec_from_bytes, unflatten_weights
 
         layout = spec_from_bytes(spec)
         buffer = open_ipc_handle(handle, self.device.index)
@@ -46,7 +46,7 @@ class WeightSyncExtension:
     def agentrl_init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                   backend: str, timeout_s: float = 300.0) -> int:
         """Join the refit process group as rank ``rank_offset + this worker's rank``."""
-        from agentrl.refit import WeightGroup
+        from agentrl.weights.transports import WeightGroup
 
         rank = rank_offset + int(getattr(self, "rank", 0))
         self._agentrl_group = WeightGroup(host, port, rank, world_size, backend=backend, timeout_s=timeout_s)
@@ -57,7 +57,7 @@ class WeightSyncExtension:
         """Receive the learner's broadcast flat buffer and reload the weights from it."""
         import torch
 
-        from agentrl.refit import spec_from_bytes, unflatten_weights
+        from agentrl.weights.transports import spec_from_bytes, unflatten_weights
 
         layout = spec_from_bytes(spec)
         group = getattr(self, "_agentrl_group", None)
@@ -76,7 +76,7 @@ class WeightSyncExtension:
         """Write the adapter tensors of the learner's flat GPU buffer (CUDA IPC) to ``path``."""
         import torch
 
-        from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+        from agentrl.weights.transports import open_ipc_handle, spec_from_bytes, unflatten_weights
 
         layout = spec_from_bytes(spec)
         buffer = open_ipc_handle(handle, self.device.index)
@@ -90,7 +90,7 @@ class WeightSyncExtension:
 
     def agentrl_receive_adapter(self, spec: bytes, path: str) -> int:
         """Receive the learner's broadcast adapter buffer and write it to ``path``."""
-        from agentrl.refit import unflatten_weights
+        from agentrl.weights.transports import unflatten_weights
 
         buf, layout = self._agentrl_receive_broadcast(spec, "agentrl_receive_adapter")
         return self._agentrl_write_adapter(dict(unflatten_weights(buf.to("cpu"), layout)), path)
@@ -99,7 +99,7 @@ class WeightSyncExtension:
         # The learner's flat adapter buffer, broadcast over the refit group, and its layout.
         import torch
 
-        from agentrl.refit import spec_from_bytes
+        from agentrl.weights.transports import spec_from_bytes
 
         layout = spec_from_bytes(spec)
         group = getattr(self, "_agentrl_group", None)
@@ -116,7 +116,7 @@ class WeightSyncExtension:
         (bench/lora.py: 0.076 s at the 7B shape against 0.447 s through an adapter directory)."""
         import torch
 
-        from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+        from agentrl.weights.transports import open_ipc_handle, spec_from_bytes, unflatten_weights
 
         if spec is not None:
             buffer = open_ipc_handle(source, self.device.index)  # type: ignore[arg-type]
@@ -131,7 +131,7 @@ class WeightSyncExtension:
 
     def agentrl_receive_swap_adapter(self, spec: bytes, config_json: str, lora_id: int) -> int:
         """Receive the learner's broadcast adapter buffer and swap it in without a file."""
-        from agentrl.refit import unflatten_weights
+        from agentrl.weights.transports import unflatten_weights
 
         buf, layout = self._agentrl_receive_broadcast(spec, "agentrl_receive_swap_adapter")
         return self._agentrl_swap({name: t.clone() for name, t in unflatten_weights(buf, layout)}, config_json, lora_id)
@@ -161,7 +161,7 @@ class WeightSyncExtension:
 
         from safetensors.torch import save_file
 
-        from agentrl.lora import ADAPTER_WEIGHTS
+        from agentrl.learner.lora import ADAPTER_WEIGHTS
 
         if int(getattr(self, "rank", 0)) == 0:  # tensor-parallel workers share the host's file
             Path(path).mkdir(parents=True, exist_ok=True)
@@ -208,7 +208,7 @@ class WeightSyncExtension:
 
         if not torch.cuda.is_available():
             return {}
-        from agentrl.learners.common import cuda_memory_gib
+        from agentrl.learner.common import cuda_memory_gib
 
         out = cuda_memory_gib()
         blocks = getattr(getattr(self, "cache_config", None), "num_gpu_blocks", None)

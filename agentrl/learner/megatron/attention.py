@@ -10,7 +10,7 @@ Backends: ``flex`` (FlexAttention, compiled, block-sparse document-causal mask),
 causal SDPA call per document), ``auto`` (per micro-batch: SDPA where its documents are long,
 FlexAttention where they are many and short; `auto_backend`) and, when ``context_parallel_size > 1``,
 the project's ``cp_attention.cp_document_attention`` over zigzag shards. RoPE and FlexAttention run compiled on
-CUDA through `agentrl.learners.megatron.compiled` (any length, never silently eager).
+CUDA through `agentrl.learner.megatron.compiled` (any length, never silently eager).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from agentrl.learners.megatron.compiled import compiled, flex_attention
+from agentrl.learner.megatron.compiled import compiled, flex_attention
 
 __all__ = ["AUTO_SDPA_MEAN_DOC_TOKENS", "PackedAttentionParams", "PackedCoreAttention", "apply_rope", "auto_backend",
            "document_block_mask", "document_bounds", "make_packed_params"]
@@ -99,7 +99,7 @@ def auto_backend(params: PackedAttentionParams) -> str:
 
 def document_block_mask(params: PackedAttentionParams, t: int, device: torch.device) -> Any:
     """The micro-batch's document-causal ``BlockMask`` over ``t`` packed tokens (made once, cached)."""
-    from agentrl.learners.megatron.cp_attention import document_causal_block_mask
+    from agentrl.learner.megatron.cp_attention import document_causal_block_mask
 
     if "block_mask" not in params.cache:
         cu = params.cu_seqlens_q.to(device=device, dtype=torch.int64)
@@ -169,7 +169,7 @@ class PackedCoreAttention(MegatronModule):
             if kept is not None:  # its recompute in backward: the kept output, the kept kernel's backward
                 return _KeptAttention.apply(query, key, value, kept).reshape(t, nq * hn)
         if self.cp_size > 1:
-            from agentrl.learners.megatron.cp_attention import cp_document_attention
+            from agentrl.learner.megatron.cp_attention import cp_document_attention
 
             group = self.cp_group if self.cp_group is not None else p.cp_group
             cu = p.cache.get("cu_seqlens_cpu", p.cu_seqlens_q)  # read on the host

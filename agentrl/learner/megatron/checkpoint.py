@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.models import copy_tokenizer_files
-from agentrl.optim import fuse_adamw
+from agentrl.model.loading import copy_tokenizer_files
+from agentrl.learner.optim import fuse_adamw
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -84,7 +84,7 @@ def save_checkpoint(learner: Any, path: Path) -> None:
 
 def load_checkpoint(learner: Any, path: Path) -> None:
     """Load the HF weights, then (when present) this rank's optimizer shard and the step counter."""
-    from agentrl.learners.megatron.weights import load_hf_weights, read_hf_state_dict
+    from agentrl.learner.megatron.weights import load_hf_weights, read_hf_state_dict
 
     state_file = path / "learner_state.json"
     if not (path / "model").is_dir() or not state_file.is_file():

@@ -154,10 +154,10 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], shape: ModelShape, *, lazy: bool
 
     Tied models get no ``lm_head.weight`` (as ``save_pretrained`` writes them). Every tensor is a
     view of ``mc``'s but q, k and v (and their biases), which a reshape copies out of the
-    interleaved QKV weight; ``lazy``: those come as :class:`agentrl.refit.LazyReshape` of the
+    interleaved QKV weight; ``lazy``: those come as :class:`agentrl.weights.transports.LazyReshape` of the
     view instead (a zero-copy refit: the engine reshapes).
     """
-    from agentrl.refit import LazyReshape
+    from agentrl.weights.transports import LazyReshape
 
     def reshape(t: torch.Tensor, *size: int) -> Any:
         if not lazy:

@@ -309,7 +309,7 @@ def _attend(
     q_, k_, v_ = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))  # [1, H, S, D]
     if backend == "flex":
         if q.is_cuda:  # compiled (any length, never silently eager)
-            from agentrl.learners.megatron.compiled import flex_attention
+            from agentrl.learner.megatron.compiled import flex_attention
 
             out = flex_attention(q_, k_, v_, plan.mask, scale)
         else:  # eager FlexAttention: a slow reference (it materializes the scores)

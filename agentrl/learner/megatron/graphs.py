@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from agentrl.learners.megatron.attention import PackedAttentionParams, document_block_mask
+from agentrl.learner.megatron.attention import PackedAttentionParams, document_block_mask
 
 __all__ = ["DecoderGraphs", "use_capture_stream"]
 
@@ -50,7 +50,7 @@ class _DecoderCall(torch.nn.Module):
                 kv_num: Tensor, kv_idx: Tensor, full_num: Tensor, full_idx: Tensor) -> Tensor:
         from torch.nn.attention.flex_attention import BlockMask
 
-        from agentrl.learners.megatron.cp_attention import document_causal_mask_mod
+        from agentrl.learner.megatron.cp_attention import document_causal_mask_mod
 
         t = hidden.shape[0]
         p = PackedAttentionParams(qkv_format="thd", rope_cos=cos, rope_sin=sin)

@@ -1,15 +1,15 @@
 """The Megatron-Core learner: the torch learner's contract on TP x PP x CP x DP GPUs.
 
 One process per GPU (a Ray learner actor each); every process constructs ``MegatronLearner`` with
-its rank (see `agentrl.learners.megatron.parallel` for what it reads) and every process must be
+its rank (see `agentrl.learner.megatron.parallel` for what it reads) and every process must be
 given the *same* groups/trajectories in each call: the learner deals micro-batches to its
 data-parallel rank itself, and all calls are collective. Results (metrics, logprobs, exported
 weights) are the same on every rank.
 
-Per micro-batch: packed tokens (agentrl.packing) -> padded to a multiple of 128 tokens with one
+Per micro-batch: packed tokens (agentrl.learner.packing) -> padded to a multiple of 128 tokens with one
 dummy document -> (CP: this rank's zigzag shard) -> GPTModel with the project's core attention ->
 vocab-parallel next-token logprobs -> shifted to ``out[t] = log p(token t | earlier)``, 0.0 at each
-document's first token -> the shared loss (agentrl.learners.common.microbatch_loss).
+document's first token -> the shared loss (agentrl.learner.common.microbatch_loss).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from agentrl.config_learner import graph_length
-from agentrl.learners.common import (
+from agentrl.config.learner import graph_length
+from agentrl.learner.common import (
     PEAKS,
     STARTUP,
     TrainSample,
@@ -37,24 +37,24 @@ from agentrl.learners.common import (
     plan_microbatches,
     with_signal,
 )
-from agentrl.learners.megatron.attention import PackedAttentionParams, make_packed_params
-from agentrl.learners.megatron.convert import ModelShape
-from agentrl.learners.megatron.model import build_model
-from agentrl.learners.megatron.parallel import (
+from agentrl.learner.megatron.attention import PackedAttentionParams, make_packed_params
+from agentrl.learner.megatron.convert import ModelShape
+from agentrl.learner.megatron.model import build_model
+from agentrl.learner.megatron.parallel import (
     build_ddp_and_optimizer,
     init_distributed,
     init_parallel_state,
 )
-from agentrl.learners.megatron.weights import gather_hf_weights, load_hf_weights, read_hf_state_dict
-from agentrl.models import tokenizer_vocab_limit, torch_dtype
-from agentrl.packing import PackedBatch, make_microbatches, pack_sequences, padded_length, unpack
-from agentrl.packing import to_device as _to_device
+from agentrl.learner.megatron.weights import gather_hf_weights, load_hf_weights, read_hf_state_dict
+from agentrl.model.loading import tokenizer_vocab_limit, torch_dtype
+from agentrl.learner.packing import PackedBatch, make_microbatches, pack_sequences, padded_length, unpack
+from agentrl.learner.packing import to_device as _to_device
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from agentrl.config import Config
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = ["MegatronLearner"]
 
@@ -76,7 +76,7 @@ class _MicroBatch:
 
 
 class MegatronLearner:
-    """Megatron-Core learner; see :class:`agentrl.learners.base.Learner`.
+    """Megatron-Core learner; see :class:`agentrl.learner.base.Learner`.
 
     Args:
         cfg: the run config (model, learner incl. ``learner.megatron``, loss, advantage, packing).
@@ -96,7 +96,7 @@ class MegatronLearner:
                                        master_addr=master_addr, master_port=master_port)
         STARTUP.mark("distributed")
         if mcfg.cuda_graphs:
-            from agentrl.learners.megatron.graphs import use_capture_stream
+            from agentrl.learner.megatron.graphs import use_capture_stream
 
             use_capture_stream(self.device)
         self.layout = init_parallel_state(mcfg, seed=cfg.seed)
@@ -135,7 +135,7 @@ class MegatronLearner:
             self._check_zero_copy()
         gathered = self._gather_parameters() if zero_copy and not mcfg.use_distributed_optimizer else None
         PEAKS.note("model")
-        from agentrl.refit import plain_allocations
+        from agentrl.weights.transports import plain_allocations
 
         # zero-copy with the distributed optimizer: its parameter buffer is what the engines open
         # (CUDA IPC needs plain segments where the allocator maps expandable ones)
@@ -148,7 +148,7 @@ class MegatronLearner:
         self.before_optimizer_step: Callable[[], None] | None = None
         self.graphs = None
         if mcfg.cuda_graphs:
-            from agentrl.learners.megatron.graphs import DecoderGraphs
+            from agentrl.learner.megatron.graphs import DecoderGraphs
 
             self.graphs = DecoderGraphs(self.model)
         self.pad_id = int(getattr(hf_config, "pad_token_id", None) or 0)
@@ -164,10 +164,10 @@ class MegatronLearner:
 
     def _gather_parameters(self) -> torch.Tensor:
         """refit.zero_copy without the distributed optimizer: the model's parameters moved into one
-        flat buffer (agentrl.refit.gather_parameters), the memory the engines read a refit from, so
+        flat buffer (agentrl.weights.transports.gather_parameters), the memory the engines read a refit from, so
         no model-sized export buffer is made (2.9 GiB at 1.5B, the learner's memory peak at TRL's
         memory settings)."""
-        from agentrl.refit import gather_parameters, plain_allocations
+        from agentrl.weights.transports import gather_parameters, plain_allocations
 
         with plain_allocations(self.cfg.learner.expandable_segments):  # CUDA IPC needs plain segments
             buffer = gather_parameters(self.model)
@@ -187,9 +187,9 @@ class MegatronLearner:
 
     def export_views(self) -> tuple[torch.Tensor, dict[str, Any]]:
         """(the parameter buffer, HF-named views into it) for a zero-copy refit; q, k and v come as
-        :class:`agentrl.refit.LazyReshape` (the engine reshapes them)."""
-        from agentrl.learners.megatron.convert import globalize_layers, megatron_to_hf
-        from agentrl.learners.megatron.weights import _model_tensors, stage_layer_range
+        :class:`agentrl.weights.transports.LazyReshape` (the engine reshapes them)."""
+        from agentrl.learner.megatron.convert import globalize_layers, megatron_to_hf
+        from agentrl.learner.megatron.weights import _model_tensors, stage_layer_range
 
         if self.param_buffer is None:
             raise RuntimeError("export_views needs refit.zero_copy=true (the parameters in one buffer)")
@@ -241,7 +241,7 @@ class MegatronLearner:
         labels = torch.roll(ids, -1)  # label at a document's last token is discarded by the shift
         lay = self.layout
         if lay.cp > 1:
-            from agentrl.learners.megatron.cp_attention import zigzag_indices
+            from agentrl.learner.megatron.cp_attention import zigzag_indices
 
             idx = zigzag_indices(cu, lay.cp, lay.cp_rank)
             ids, pos, labels = ids[idx], pos[idx], labels[idx]
@@ -265,7 +265,7 @@ class MegatronLearner:
         if self.layout.cp > 1:
             from megatron.core import parallel_state as ps
 
-            from agentrl.learners.megatron.cp_attention import all_gather_zigzag
+            from agentrl.learner.megatron.cp_attention import all_gather_zigzag
 
             out = all_gather_zigzag(out, mb.cu_padded, ps.get_context_parallel_group())
         T = mb.packed.input_ids.shape[1]
@@ -442,11 +442,11 @@ class MegatronLearner:
 
     def save(self, path: str | Path) -> None:
         """HF model (safetensors + config + tokenizer) under ``path/model``; per-rank optimizer state."""
-        from agentrl.learners.megatron.checkpoint import save_checkpoint
+        from agentrl.learner.megatron.checkpoint import save_checkpoint
 
         save_checkpoint(self, Path(path))
 
     def load(self, path: str | Path) -> None:
-        from agentrl.learners.megatron.checkpoint import load_checkpoint
+        from agentrl.learner.megatron.checkpoint import load_checkpoint
 
         load_checkpoint(self, Path(path))

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from agentrl.learners.megatron.compiled import compiled
+from agentrl.learner.megatron.compiled import compiled
 
 __all__ = ["vocab_parallel_logprobs"]
 

@@ -32,10 +32,10 @@ from megatron.core.transformer.transformer_block import (
 )
 from torch import Tensor
 
-from agentrl.learners.megatron.attention import PackedAttentionParams, PackedCoreAttention
-from agentrl.learners.megatron.compiled import compiled
-from agentrl.learners.megatron.convert import ModelShape
-from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
+from agentrl.learner.megatron.attention import PackedAttentionParams, PackedCoreAttention
+from agentrl.learner.megatron.compiled import compiled
+from agentrl.learner.megatron.convert import ModelShape
+from agentrl.learner.megatron.logprobs import vocab_parallel_logprobs
 
 __all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "attention_bytes_per_token", "build_model", "core_attention",
            "layer_spec", "layers_to_recompute", "recompute_plan", "rope_inv_freq", "transformer_config"]

@@ -72,7 +72,7 @@ def start_process_group(*, rank: int, world_size: int, device: torch.device | No
                         backend: str | None = None, timeout_s: float = 1800.0) -> str:
     """``init_process_group`` unless already started; returns the default group's backend.
 
-    A world of one process gets :mod:`agentrl.learners.megatron.solo` (every collective is its
+    A world of one process gets :mod:`agentrl.learner.megatron.solo` (every collective is its
     one-rank result, no NCCL communicator: each held its own buffers, 2.4 GiB outside the allocator
     on the H200); ``AGENTRL_ONE_RANK_NCCL=1`` keeps NCCL there, for measuring the difference. More
     processes get NCCL, its communicators made lazily: with ``device_id`` torch may make them
@@ -83,7 +83,7 @@ def start_process_group(*, rank: int, world_size: int, device: torch.device | No
         return str(dist.get_backend())
     timeout = datetime.timedelta(seconds=timeout_s)
     if world_size == 1 and backend is None and os.environ.get("AGENTRL_ONE_RANK_NCCL", "0") != "1":
-        from agentrl.learners.megatron.solo import register
+        from agentrl.learner.megatron.solo import register
 
         if rank != 0:
             raise ValueError(f"rank {rank} in a world of one process")
@@ -137,7 +137,7 @@ def build_ddp_and_optimizer(model: torch.nn.Module, learner_cfg: Any) -> tuple[A
     )
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-    from agentrl.optim import fuse_adamw
+    from agentrl.learner.optim import fuse_adamw
 
     mcfg = learner_cfg.megatron
     config = model.config
@@ -160,7 +160,7 @@ def build_ddp_and_optimizer(model: torch.nn.Module, learner_cfg: Any) -> tuple[A
     )
     fuse_adamw(opt)  # torch's AdamW (no TE/Apex here): the fused kernel, no parameter-sized temporary
     if mcfg.master_weight_remainders:
-        from agentrl.learners.megatron.remainders import use_remainders
+        from agentrl.learner.megatron.remainders import use_remainders
 
         for one in getattr(opt, "chained_optimizers", None) or [opt]:
             use_remainders(one)

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.learners.megatron.convert import (
+from agentrl.learner.megatron.convert import (
     ModelShape,
     gather_tp,
     globalize_layers,

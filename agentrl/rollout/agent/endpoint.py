@@ -3,7 +3,7 @@
 Agents written against the OpenAI API (the ``openai`` SDK, the OpenAI Agents SDK, LangGraph, a
 hand-written loop) talk to it over real HTTP (FastAPI on uvicorn). Every episode gets its own API
 key; each request of that episode is turned into token ids by its
-:class:`~agentrl.recorder.EpisodeRecorder` (a rendered delta when it continues the episode, a
+:class:`~agentrl.rollout.agent.recorder.EpisodeRecorder` (a rendered delta when it continues the episode, a
 new segment when it rewrites history), the engine samples, and the sampled tokens, logprobs and
 weight versions are recorded as sampled before the response goes back. The response carries
 ``tool_calls`` parsed by vLLM's parser of the model's family (``rollout.tool_parser``),
@@ -11,7 +11,7 @@ weight versions are recorded as sampled before the response goes back. The respo
 
 Bad requests get a 4xx with an OpenAI-style error body (``{"error": {"message", "type",
 "param", "code"}}``) and write nothing. This module knows nothing of Ray: it takes an engine
-client (:class:`agentrl.rollout.EngineClient`), the rollout actor hosts it.
+client (:class:`agentrl.rollout.episode.EngineClient`), the rollout actor hosts it.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agentrl.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.config import AgentConfig, RolloutConfig
-from agentrl.recorder import EpisodeRecorder, MessageError
-from agentrl.rollout import EngineClient
-from agentrl.tool_calls import ToolCallParser
+from agentrl.rollout.agent.recorder import EpisodeRecorder, MessageError
+from agentrl.rollout.episode import EngineClient
+from agentrl.rollout.tool_calls import ToolCallParser
 
 __all__ = ["AgentEndpoint", "ApiError", "ChatCompletionRequest", "EndpointEpisode", "cut_at_stop"]
 

@@ -1,7 +1,7 @@
 """Agent worker processes of one rollout worker (``agent.workers`` > 0), the parent's side.
 
 The user's agent functions, and the openai SDK's CPU with them (~2.5-4.5 ms per request), run in
-``agent.workers`` processes of :mod:`agentrl.agent_worker` rather than in the rollout worker's own
+``agent.workers`` processes of :mod:`agentrl.rollout.agent.worker` rather than in the rollout worker's own
 process and event loop, which then only serves the endpoint's HTTP and talks to the engines. An
 episode goes to the least-loaded worker; a worker process starts on its first episode. The
 endpoint, and with it the exact-token record of every request, stays in the rollout worker.
@@ -12,7 +12,7 @@ episode; ``rollout/agent_worker_deaths`` counts such deaths. :meth:`AgentWorkerP
 every worker; a worker whose parent dies exits by itself (EOF on its stdin, and on Linux a
 parent-death signal).
 
-This module knows nothing of Ray: a rollout actor owns one pool through its :class:`~agentrl.agents.Agent`.
+This module knows nothing of Ray: a rollout actor owns one pool through its :class:`~agentrl.rollout.agent.user.Agent`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from agentrl.agent_protocol import encode_frame, read_frame
+from agentrl.rollout.agent.protocol import encode_frame, read_frame
 
 __all__ = ["AgentRaised", "AgentWorkerDied", "AgentWorkerPool"]
 
@@ -114,7 +114,7 @@ class AgentWorkerPool:
             if Path(root).name not in ("site-packages", "dist-packages"):  # a checkout: -m must find it
                 env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "agentrl.agent_worker", str(os.getpid()),
+                sys.executable, "-m", "agentrl.rollout.agent.worker", str(os.getpid()),
                 stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env)
             current = _Process(proc, slot)
             current.send(("init", {"sys_path": list(sys.path)}))

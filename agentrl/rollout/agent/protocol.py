@@ -1,6 +1,6 @@
-"""The frames of the agent worker protocol (:mod:`agentrl.agent_worker`, :mod:`agentrl.agent_pool`):
+"""The frames of the agent worker protocol (:mod:`agentrl.rollout.agent.worker`, :mod:`agentrl.rollout.agent.pool`):
 a 4-byte big-endian length, then a pickle. Its own module so that the pool (imported by
-:mod:`agentrl.agents`) and the worker (which imports :mod:`agentrl.agents`) share it without an
+:mod:`agentrl.rollout.agent.user`) and the worker (which imports :mod:`agentrl.rollout.agent.user`) share it without an
 import cycle."""
 
 from __future__ import annotations

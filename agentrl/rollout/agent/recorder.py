@@ -6,11 +6,11 @@ engine continues, and records what it sampled:
 
 - a request whose messages are the previous request's, then the response the endpoint gave, then
   new messages (tool results, a user turn) *continues* the segment: the new messages are rendered
-  as a token delta (:meth:`agentrl.chat.ChatRenderer.observation_delta_ids`) and appended to the
+  as a token delta (:meth:`agentrl.rollout.chat.ChatRenderer.observation_delta_ids`) and appended to the
   tokens already there, exactly as the env path appends observations. Nothing is re-rendered.
 - any other request (the agent dropped reasoning, trimmed or summarized its context, changed its
   tools, retried) starts a new *segment*, rendered from scratch. Each segment becomes its own
-  :class:`~agentrl.trajectory.Trajectory` with the episode's reward.
+  :class:`~agentrl.rollout.trajectory.Trajectory` with the episode's reward.
 
 Messages are compared in a canonical form (text content, tool calls as name plus parsed
 arguments, ids ignored), so a client that re-serializes the arguments JSON or writes ``None`` for
@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.chat import ChatRenderer
-from agentrl.trajectory import Trajectory
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.trajectory import Trajectory
 
 __all__ = ["EpisodeRecorder", "MessageError", "Segment", "canonical_messages", "canonical_tools",
            "template_messages"]
@@ -147,7 +147,7 @@ def template_messages(canonical: list[dict[str, Any]]) -> list[dict[str, Any]]:
 @dataclass
 class Segment:
     """One token sequence of an episode: a prompt rendered once, then sampled turns and the
-    rendered deltas between them. Per-token lists as in :class:`~agentrl.trajectory.Trajectory`."""
+    rendered deltas between them. Per-token lists as in :class:`~agentrl.rollout.trajectory.Trajectory`."""
 
     token_ids: list[int] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)

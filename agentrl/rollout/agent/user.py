@@ -6,10 +6,10 @@ An agent is a function of an OpenAI client and a task that returns the reward::
 
 (or a plain ``def`` that gets an ``openai.OpenAI`` client and runs in a worker thread; or an
 agent plus a separate ``score(task, result) -> float``). Each episode gets a client bound to its
-own key on the rollout worker's endpoint (:mod:`agentrl.endpoint`); the agent never sees the
+own key on the rollout worker's endpoint (:mod:`agentrl.rollout.agent.endpoint`); the agent never sees the
 engine, Ray or token ids. Tasks come from a JSONL file or a function ``tasks(seed) -> task``.
 Functions are named in the config as ``module:function`` and imported like env modules. With
-``agent.workers`` > 0 they run in worker processes of their own (:mod:`agentrl.agent_pool`), the
+``agent.workers`` > 0 they run in worker processes of their own (:mod:`agentrl.rollout.agent.pool`), the
 endpoint staying in the rollout worker's process.
 
 This module knows nothing of Ray: the rollout actor calls :func:`run_agent_group`.
@@ -28,8 +28,8 @@ from typing import Any, Callable
 import anyio
 
 from agentrl.config import AgentConfig, ConfigError, RolloutConfig
-from agentrl.rollout import OVER_BUDGET
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.rollout.episode import OVER_BUDGET
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = ["Agent", "TaskSource", "load_agent", "load_function", "run_agent_episode", "run_agent_group",
            "shared_http_client", "solve_and_score"]
@@ -41,7 +41,7 @@ def load_function(spec: str, *, key: str) -> Callable[..., Any]:
     Raises:
         ConfigError: the module does not import, or has no such callable.
     """
-    from agentrl.env_ids import import_env_module
+    from agentrl.env.ids import import_env_module
 
     name = import_env_module(spec, key=key)
     module = sys.modules[spec.partition(":")[0]]
@@ -124,7 +124,7 @@ class Agent:
         if self.cfg.workers == 0:
             return None
         if self.pool is None:
-            from agentrl.agent_pool import AgentWorkerPool
+            from agentrl.rollout.agent.pool import AgentWorkerPool
 
             self.pool = AgentWorkerPool(self.cfg.workers)
         return self.pool
@@ -225,7 +225,7 @@ async def _call_agent(agent: Agent, ep: Any, task: Any) -> float:
 
 
 def _describe(exc: Exception) -> str:
-    from agentrl.agent_pool import AgentRaised, AgentWorkerDied
+    from agentrl.rollout.agent.pool import AgentRaised, AgentWorkerDied
 
     if isinstance(exc, AgentWorkerDied):
         return str(exc)[:400]

@@ -1,6 +1,6 @@
 """An agent worker process: runs the user's agent functions for a rollout worker (``agent.workers``).
 
-Started by :class:`agentrl.agent_pool.AgentWorkerPool` as ``python -m agentrl.agent_worker PARENT_PID``
+Started by :class:`agentrl.rollout.agent.pool.AgentWorkerPool` as ``python -m agentrl.rollout.agent.worker PARENT_PID``
 (a plain subprocess: inside a Ray actor ``__main__`` is Ray's worker script, which a multiprocessing
 spawn would import again). It speaks length-prefixed pickle frames on the stdin and stdout it was given, through private
 copies of their descriptors: fd 1 and ``sys.stdout`` go to stderr and fd 0 reads /dev/null, so
@@ -10,7 +10,7 @@ Parent to worker: ``("init", {"sys_path": [...]})`` once, then ``("job", id, spe
 ``{"solve", "score", "task", "base_url", "api_key", "request_timeout_s"}`` and ``("cancel", id)``.
 Worker to parent: ``("done", id, reward)`` or ``("error", id, type_name, text)``. Jobs run
 concurrently: async agents on this process's event loop, sync agents in threads, as in the
-rollout worker's own process (:func:`agentrl.agents.solve_and_score`), on uvloop where it is
+rollout worker's own process (:func:`agentrl.rollout.agent.user.solve_and_score`), on uvloop where it is
 installed (``AGENTRL_AGENT_WORKER_LOOP=asyncio`` in the environment: asyncio's own loop, for
 comparison: ``bench/agent_endpoint.py --agent-workers 2,2:asyncio``). The worker exits when stdin
 reaches EOF (the parent closed it, or died) and, on Linux, when its parent dies.
@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any
 
-from agentrl.agent_protocol import encode_frame, read_frame
+from agentrl.rollout.agent.protocol import encode_frame, read_frame
 
 __all__ = ["encode_frame", "read_frame"]
 
@@ -71,7 +71,7 @@ class _Worker:
         return fn
 
     async def run(self, job_id: int, spec: dict[str, Any]) -> None:
-        from agentrl.agents import shared_http_client, solve_and_score
+        from agentrl.rollout.agent.user import shared_http_client, solve_and_score
 
         try:
             solve = self.function(spec["solve"])
