@@ -386,3 +386,36 @@ def test_doctests(module):
 
     result = doctest.testmod(importlib.import_module(module))
     assert result.attempted and not result.failed
+
+
+def test_every_agentrl_import_names_a_module():
+    """Imports of agentrl anywhere in the repository name modules that exist (an import of the flat
+    layout's ``agentrl.losses`` fails here; ``scripts/rewrite_old_imports.py`` rewrites it)."""
+    modules = package_modules()
+    bad = []
+    for folder in ("agentrl", "actors", "envs", "tests", "bench", "tools", "examples", "scripts"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                         [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else [])
+                bad += [f"{path.relative_to(REPO)}:{node.lineno} {n}" for n in names
+                        if n.split(".")[0] == "agentrl" and n not in modules]
+    assert not bad, "\n".join(bad)
+
+
+def test_rewrite_of_old_imports():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("rewrite_old_imports", REPO / "scripts" / "rewrite_old_imports.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    result = doctest.testmod(script)
+    assert result.attempted and not result.failed
+    # every old name maps onto a module or package that exists, and no new name is rewritten again
+    modules = package_modules()
+    assert set(script.MODULES.values()) <= set(modules)
+    # old names that exist still: what became a package, and the kept import paths
+    assert set(script.MODULES) & set(modules) == {"agentrl.rollout", "agentrl.replay", *KEPT_PATHS}
+    for new in set(modules) - set(KEPT_PATHS):
+        if not new.startswith(("agentrl.rollout", "agentrl.replay")):
+            assert script.rewrite(f"import {new}") == f"import {new}", new
