@@ -1,4 +1,4 @@
-"""Ray actor around :class:`agentrl.engines.vllm_engine.VLLMEngine`.
+"""Ray actor around :class:`agentrl.engine.vllm_engine.VLLMEngine`.
 
 Created with ``max_restarts=-1``: when the actor dies, Ray restarts it, and the first call on
 the new instance starts vLLM and loads the weights the engines currently serve (from the replay
@@ -32,10 +32,10 @@ class EngineActor(AsyncDiag):
         shutdown): vLLM compiles its sampler's rank count on the first request for logprobs (on
         CPU a C++ kernel and a ~150 MB precompiled header: bench/history/chaos-soak.md), which a
         restarted engine then loads instead of compiling again. None: in the private temp dir.
-        ``vocab_limit``: see :class:`agentrl.engines.vllm_engine.VLLMEngine`."""
+        ``vocab_limit``: see :class:`agentrl.engine.vllm_engine.VLLMEngine`."""
         import tempfile
 
-        from agentrl.engines.vllm_engine import VLLMEngine, private_tmpdir
+        from agentrl.engine.vllm_engine import VLLMEngine, private_tmpdir
 
         tmp = str(private_tmpdir())  # what vLLM leaves there goes when this process does
         tempfile.tempdir = os.environ["TMPDIR"] = tmp  # the env var for vLLM's engine-core process

@@ -36,12 +36,12 @@ def _busy(method: Callable[..., Any]) -> Callable[..., Any]:
 @ray.remote(concurrency_groups={**DIAG_GROUPS, "refit": 1})
 class LearnerActor(SyncDiag):
     def __init__(self, cfg: Config, model_path: str, **kwargs: Any) -> None:
-        from agentrl.learners.common import STARTUP
+        from agentrl.learner.common import STARTUP
 
         STARTUP.restart()  # start_timeline: from here
         import torch
 
-        from agentrl.learners.base import build_learner
+        from agentrl.learner.base import build_learner
 
         torch.set_num_threads(max(1, int(cfg.learner.num_cpus)))
         self.rank = int(kwargs.get("rank", 0))
@@ -58,7 +58,7 @@ class LearnerActor(SyncDiag):
         if self._expandable:
             torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         self.learner = build_learner(cfg, model_path=model_path, **kwargs)
-        from agentrl.refit import ReadersGuard
+        from agentrl.weights.transports import ReadersGuard
 
         self._readers = ReadersGuard()  # refit.zero_copy: engines reading the parameters in place
         self.zero_copy_wait_s = 0.0  # how long optimizer steps waited for them, in all
@@ -68,7 +68,7 @@ class LearnerActor(SyncDiag):
                 raise ValueError("refit.zero_copy needs learner.backend=megatron (the torch learner copies "
                                  "its weights for each refit)")
             self.learner.before_optimizer_step = self._wait_for_readers
-        from agentrl.learners.common import PEAKS
+        from agentrl.learner.common import PEAKS
 
         PEAKS.note("built")  # the model and optimizer in place, before any step
         STARTUP.mark("built")
@@ -96,7 +96,7 @@ class LearnerActor(SyncDiag):
     def export_weights(self) -> dict:
         return self.learner.export_weights()
 
-    # -- GPU refit (agentrl/refit.py) -------------------------------------------------------------
+    # -- GPU refit (agentrl/weights/transports.py) -------------------------------------------------------------
     @_busy
     def export_for_refit(self, transport: str):
         """Weights for one refit (with learner.lora served as an adapter: the adapter's tensors
@@ -106,8 +106,8 @@ class LearnerActor(SyncDiag):
         Collective under Megatron: every rank calls it; other ranks return None."""
         import torch
 
-        from agentrl.learners.common import PEAKS
-        from agentrl.refit import (
+        from agentrl.learner.common import PEAKS
+        from agentrl.weights.transports import (
             RefitPayload,
             flatten_weights,
             ipc_handle,
@@ -127,7 +127,7 @@ class LearnerActor(SyncDiag):
         if transport == "cuda_ipc" and not self.lora and getattr(self.learner, "param_buffer", None) is not None:
             # refit.zero_copy: the engines read the parameters where they lie; no buffer is made,
             # and the next optimizer step waits for their release (ReadersGuard).
-            from agentrl.refit import describe_views
+            from agentrl.weights.transports import describe_views
 
             if self.rank != 0:  # every rank holds the whole model (TP and PP 1): rank 0's is read
                 return None
@@ -165,7 +165,7 @@ class LearnerActor(SyncDiag):
         """Rank 0 of the refit broadcast group (nccl transport; gloo when the learner is on CPU)."""
         import torch
 
-        from agentrl.refit import WeightGroup
+        from agentrl.weights.transports import WeightGroup
 
         if self.rank == 0:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -194,7 +194,7 @@ class LearnerActor(SyncDiag):
         back to the allocator's cache, where the step's own tensors reuse it; no empty_cache or
         gc here (either would stall the step running beside it); the next export empties the
         cache first. A release that arrives after a newer export leaves that newer buffer alone."""
-        from agentrl.learners.common import PEAKS
+        from agentrl.learner.common import PEAKS
 
         with self._refit_lock:
             if generation is not None and generation != self._refit_generation:
@@ -220,8 +220,8 @@ class LearnerActor(SyncDiag):
 
     def memory_report(self) -> dict[str, float]:
         """GiB this learner holds on its device, by holder (weights, gradients, optimizer state,
-        the refit buffer, ...: :func:`agentrl.learners.common.learner_memory`), and its peak."""
-        from agentrl.learners.common import learner_memory
+        the refit buffer, ...: :func:`agentrl.learner.common.learner_memory`), and its peak."""
+        from agentrl.learner.common import learner_memory
 
         return learner_memory(self.learner, {"refit_buffer": self._refit_buf})
 
@@ -229,7 +229,7 @@ class LearnerActor(SyncDiag):
         """Seconds from this actor's start to each point of its build (``imports``: the learner's
         modules, ``distributed``, ``parallel_state``, ``model_built``, ``weights_read``,
         ``weights_loaded``, ``optimizer`` on the Megatron learner; ``built``: the actor ready)."""
-        from agentrl.learners.common import STARTUP
+        from agentrl.learner.common import STARTUP
 
         return dict(STARTUP.marks)
 
@@ -272,7 +272,7 @@ class LearnerGroup:
         """``placement``: colocated, ``(plan, placement group)`` of :mod:`agentrl.actors.placement`:
         rank ``i`` takes its share of bundle ``i``'s GPU, beside the engines dealt to that GPU."""
         from agentrl.actors.placement import ColocatedPlan, learner_world_size
-        from agentrl.learners.base import learner_traits
+        from agentrl.learner.base import learner_traits
 
         lc = cfg.learner
         world = learner_world_size(cfg)

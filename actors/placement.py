@@ -6,7 +6,7 @@ the scheduler finds them: on a machine of several GPUs an engine could land besi
 learner, or two engines on one GPU and none on the next. A bundle of exactly one GPU per learner
 rank, with the rank and its engines scheduled into that bundle, pins them to the same device.
 
-This module knows nothing of what the actors do; :class:`agentrl.trainer.Trainer` and
+This module knows nothing of what the actors do; :class:`agentrl.driver.trainer.Trainer` and
 :class:`agentrl.actors.learner.LearnerGroup` schedule into the bundles it reserves.
 """
 
@@ -25,7 +25,7 @@ __all__ = ["ColocatedPlan", "colocated_plan", "learner_world_size"]
 def learner_world_size(cfg: Config) -> int:
     """Learner ranks: one per GPU for a backend registered ``distributed`` (Megatron), else a
     single actor (the torch learner)."""
-    from agentrl.learners.base import learner_traits
+    from agentrl.learner.base import learner_traits
 
     return max(1, cfg.learner.num_gpus) if learner_traits(cfg).get("distributed") else 1
 

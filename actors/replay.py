@@ -1,4 +1,4 @@
-"""Ray actor around :class:`agentrl.replay.ReplayQueue`: "not now" answers become waiting."""
+"""Ray actor around :class:`agentrl.replay.queue.ReplayQueue`: "not now" answers become waiting."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Any
 import ray
 
 from agentrl.actors.watchdog import DIAG_GROUPS, AsyncDiag
-from agentrl.replay import ReplayQueue
-from agentrl.trajectory import TrajectoryGroup
+from agentrl.replay.queue import ReplayQueue
+from agentrl.rollout.trajectory import TrajectoryGroup
 
 __all__ = ["ReplayActor"]
 

@@ -81,9 +81,9 @@ class RolloutActor(AsyncDiag):
         import gymnasium as gym
         from transformers import AutoTokenizer
 
-        from agentrl.chat import ChatRenderer
+        from agentrl.rollout.chat import ChatRenderer
         from agentrl.config import ConfigError
-        from agentrl.env_ids import import_env_module
+        from agentrl.env.ids import import_env_module
 
         self.cfg = cfg
         self.replay = replay
@@ -92,7 +92,7 @@ class RolloutActor(AsyncDiag):
         self.teachers = list(teachers or [])
         self._teacher_turn = itertools.count()
         from agentrl.envs.base import set_tool_parser
-        from agentrl.tool_calls import build_tool_parser
+        from agentrl.rollout.tool_calls import build_tool_parser
 
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.renderer = ChatRenderer(tokenizer)
@@ -101,7 +101,7 @@ class RolloutActor(AsyncDiag):
         self._endpoint = None
         try:  # the driver imported it; a node of a cluster has it only through the runtime_env
             if cfg.agent.solve is not None:
-                from agentrl.agents import load_agent
+                from agentrl.rollout.agent.user import load_agent
 
                 self.agent = load_agent(cfg.agent)
             else:
@@ -130,7 +130,7 @@ class RolloutActor(AsyncDiag):
     async def endpoint(self):
         """This worker's OpenAI-compatible endpoint (agent mode), started on first use."""
         if self._endpoint is None:
-            from agentrl.endpoint import AgentEndpoint
+            from agentrl.rollout.agent.endpoint import AgentEndpoint
 
             self._endpoint = AgentEndpoint(self.renderer, self.tool_parser, self.router, rollout=self.cfg.rollout,
                                            agent=self.cfg.agent, max_model_len=self.cfg.engine.max_model_len)
@@ -143,12 +143,12 @@ class RolloutActor(AsyncDiag):
     async def _group(self, seed: int, gid: int, *, temperature: float | None = None, num_episodes: int | None = None,
                      evaluation: bool = False):
         if self.agent is not None:
-            from agentrl.agents import run_agent_group
+            from agentrl.rollout.agent.user import run_agent_group
 
             return await run_agent_group(self.agent, await self.endpoint(), seed=seed, rollout=self.cfg.rollout,
                                          group_id=gid, temperature=temperature, num_episodes=num_episodes,
                                          evaluation=evaluation)
-        from agentrl.rollout import run_group
+        from agentrl.rollout.episode import run_group
 
         return await run_group(
             self.make_env, self.renderer, self.router, seed=seed, cfg=self.cfg.rollout, group_id=gid,
@@ -161,7 +161,7 @@ class RolloutActor(AsyncDiag):
         return self.cfg.rollout.seed_offset + k * self.cfg.rollout.num_actors + self.index
 
     async def _worker(self) -> None:
-        from agentrl.replay import zero_spread
+        from agentrl.replay.queue import zero_spread
 
         while not self._stop:
             ticket = await self.replay.admit.remote(self.owner)
@@ -205,7 +205,7 @@ class RolloutActor(AsyncDiag):
                 "groups_done": self.num_groups, "groups_failed": self.num_failed_groups}
 
     async def _score(self, group) -> None:
-        from agentrl.distill import score_group
+        from agentrl.learner.distill import score_group
 
         k = self.cfg.distill.top_k
 
@@ -217,7 +217,7 @@ class RolloutActor(AsyncDiag):
 
     async def run(self) -> int:
         """Generate groups until :meth:`stop`; returns the number of groups produced."""
-        from agentrl.rollout import widen_env_threads
+        from agentrl.rollout.episode import widen_env_threads
 
         widen_env_threads(self.cfg.rollout.max_concurrent_groups * self.cfg.rollout.group_size)
         async with anyio.create_task_group() as tg:
@@ -238,7 +238,7 @@ class RolloutActor(AsyncDiag):
 
     async def evaluate(self, num_episodes: int, seed_offset: int, temperature: float) -> dict[str, float]:
         """Held-out evaluation: one episode per seed, at ``temperature`` (0 = greedy)."""
-        from agentrl.rollout import summarize, widen_env_threads
+        from agentrl.rollout.episode import summarize, widen_env_threads
 
         widen_env_threads(32)
         results = []

@@ -17,7 +17,7 @@ import difflib
 from typing import Any
 
 from agentrl.config import Config, ConfigError
-from agentrl.env_ids import env_module_path
+from agentrl.env.ids import env_module_path
 
 __all__ = ["build_runtime_env"]
 
@@ -26,8 +26,8 @@ def build_runtime_env(cfg: Config) -> dict[str, Any]:
     """``cluster.runtime_env`` with the env's module added to ``py_modules``; checked by Ray's own
     validation, so a typo fails here, before any actor starts.
 
-    Call it after the env module is imported (:func:`agentrl.env_ids.check_env`), and the modules
-    of ``module:name`` components (:func:`agentrl.registry.check_components`).
+    Call it after the env module is imported (:func:`agentrl.env.ids.check_env`), and the modules
+    of ``module:name`` components (:func:`agentrl.config.registry.check_components`).
 
     Raises:
         ConfigError: naming ``cluster.runtime_env`` (with a did-you-mean for a misspelled key).

@@ -4,7 +4,7 @@ Every actor class mixes in :class:`AsyncDiag` or :class:`SyncDiag`: ``ping`` and
 run in a concurrency group of their own (their own thread), so an actor whose event loop or main
 thread is stuck still answers them. A frozen process (SIGSTOP, a deadlock holding the GIL)
 answers nothing: it is judged unresponsive and its stacks are read from outside with py-spy.
-The deadlines and the report are :mod:`agentrl.watchdog`'s; what to do about a stuck actor is
+The deadlines and the report are :mod:`agentrl.driver.watchdog`'s; what to do about a stuck actor is
 the trainer's (the ``recover`` callback of :meth:`Watchdog.wait`).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from agentrl.config import WatchdogConfig
-from agentrl.watchdog import ActorReport, Deadlines, RunStalled, format_report, py_spy_dump, thread_stacks
+from agentrl.driver.watchdog import ActorReport, Deadlines, RunStalled, format_report, py_spy_dump, thread_stacks
 
 __all__ = ["DIAG_GROUPS", "WARMUP_KINDS", "AsyncDiag", "SyncDiag", "Watchdog"]
 

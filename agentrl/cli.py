@@ -11,7 +11,7 @@ import json
 import sys
 
 from agentrl.config import ConfigError, load_config
-from agentrl.watchdog import RunStopped
+from agentrl.driver.watchdog import RunStopped
 
 __all__ = ["main"]
 
@@ -109,17 +109,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "train":
             cfg = _load(args)
-            from agentrl.pipeline import train
+            from agentrl.driver.pipeline import train
 
             summary = train(cfg, resume=args.resume, progress=not args.no_progress)
             _print_summary(summary, cfg.run_dir)
         elif args.command == "sft":
             cfg = _load(args)
-            from agentrl.sft import run_sft
+            from agentrl.driver.sft import run_sft
 
             print(run_sft(cfg))
         elif args.command == "eval":
-            from agentrl.evaluate import evaluate_model
+            from agentrl.driver.evaluate import evaluate_model
 
             metrics = evaluate_model(
                 args.model, args.env, num_episodes=args.episodes, seed_offset=args.seed_offset,
@@ -128,11 +128,11 @@ def main(argv: list[str] | None = None) -> int:
             for key, value in metrics.items():
                 print(f"{key:28s} {value:.4f}")
         elif args.command == "export":
-            from agentrl.lora import merge_run
+            from agentrl.learner.lora import merge_run
 
             print(merge_run(args.run_dir, args.merge_lora, checkpoint=args.checkpoint, base=args.base))
         elif args.command == "bootstrap-tiny":
-            from agentrl.tiny import bootstrap_tiny
+            from agentrl.model.tiny import bootstrap_tiny
 
             print(bootstrap_tiny(args.dir, seed=args.seed, family=args.family, max_position_embeddings=args.context_length,
                                  rope_theta=args.rope_theta, induction_steps=args.induction_steps))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agentrl.metrics import read_metrics
+from agentrl.driver.metrics import read_metrics
 
 __all__ = ["plot_run"]
 

@@ -10,7 +10,7 @@ import torch
 from hypothesis import strategies as st
 
 from agentrl.config import ImportanceSamplingConfig, KLConfig, LossConfig
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 __all__ = [
     "AGGREGATIONS",
@@ -35,7 +35,7 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum")
 
 
 class LossFn(Protocol):
-    """The signature of :func:`agentrl.losses.compute_policy_loss`."""
+    """The signature of :func:`agentrl.learner.losses.compute_policy_loss`."""
 
     def __call__(
         self,

@@ -1,6 +1,6 @@
 """Hypothesis strategies and invariant checks for policy losses, public so users test their own.
 
-A loss with the signature of :func:`agentrl.losses.compute_policy_loss` runs through the same
+A loss with the signature of :func:`agentrl.learner.losses.compute_policy_loss` runs through the same
 property tests as the built-in one, in a few lines::
 
     from agentrl.testing import check_masked_tokens_ignored, check_microbatch_invariance

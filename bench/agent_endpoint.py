@@ -74,7 +74,7 @@ def make_shape_model(out: Path, shape: str) -> str:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from agentrl.tiny import bootstrap_tiny
+    from agentrl.model.tiny import bootstrap_tiny
 
     key = json.dumps(SHAPES[shape], sort_keys=True)
     if (out / "shape.json").is_file() and (out / "shape.json").read_text() == key:
@@ -263,8 +263,8 @@ async def throughput(endpoint, engine, renderer, tool_parser, cfg, groups: int, 
     import gymnasium as gym
     from agentrl.envs.base import set_tool_parser
 
-    from agentrl.agents import load_agent, run_agent_group
-    from agentrl.rollout import run_group, widen_env_threads
+    from agentrl.rollout.agent.user import load_agent, run_agent_group
+    from agentrl.rollout.episode import run_group, widen_env_threads
 
     widen_env_threads(64)
     import os
@@ -352,8 +352,8 @@ def agreement(model: str, dtype: str, kept: list, per_path: int = 32) -> dict:
     (Hugging Face forward, the learner's padded_token_logprobs) against the engine's: mean and max |delta|."""
     import torch
 
-    from agentrl.learners.hf_forward import padded_token_logprobs
-    from agentrl.models import load_hf_model
+    from agentrl.learner.hf_forward import padded_token_logprobs
+    from agentrl.model.loading import load_hf_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     net = load_hf_model(model, dtype, device).eval()
@@ -392,11 +392,11 @@ async def main(args) -> dict:
     import torch
     from transformers import AutoTokenizer
 
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
     from agentrl.config import load_config
-    from agentrl.endpoint import AgentEndpoint
-    from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.tool_calls import build_tool_parser
+    from agentrl.rollout.agent.endpoint import AgentEndpoint
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from agentrl.rollout.tool_calls import build_tool_parser
 
     cuda = torch.cuda.is_available()
     t_start = time.perf_counter()
@@ -404,7 +404,7 @@ async def main(args) -> dict:
     if args.shape:
         model = make_shape_model(Path(args.workdir) / f"qwen2.5-{args.shape}-shape", args.shape)
     elif not (Path(model) / "config.json").is_file():
-        from agentrl.tiny import bootstrap_tiny
+        from agentrl.model.tiny import bootstrap_tiny
 
         model = str(bootstrap_tiny(Path("/tmp/agentrl-bench-tiny")))
     work = args.work or ("turns" if args.shape else "calculator")

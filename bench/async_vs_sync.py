@@ -51,7 +51,7 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
     import ray
 
     from agentrl.config import load_config
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     run_dir = workdir / f"staleness{staleness}"
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
@@ -124,7 +124,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from agentrl.config import load_config
-    from agentrl.sft import run_sft
+    from agentrl.driver.sft import run_sft
 
     qs = load_config(REPO / "configs" / "quickstart.yaml")
     model = str(run_sft(qs))  # cached after the quickstart's first run

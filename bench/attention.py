@@ -14,7 +14,7 @@ forced one at a time, in one process on one GPU:
   ``sdpa-efficient``: the same under ``torch.nn.attention.sdpa_kernel`` of that one kernel (GQA
   inside the call, ``enable_gqa``), and each ``+kvrep``: K/V repeated to the query heads first;
 - ``auto``: the learner's default (``attention=auto``), which picks one of the two per micro-batch
-  (`agentrl.learners.megatron.attention.auto_backend`; the row says which in ``auto_ran``).
+  (`agentrl.learner.megatron.attention.auto_backend`; the row says which in ``auto_ran``).
 
 ``--docs 1,4,16`` packs each length as that many equal documents in turn (document-causal, as the
 learner packs short episodes), where FlexAttention's one block-sparse call meets SDPA's one call a
@@ -60,7 +60,7 @@ def make_attention(backend: str, heads: int, kv_heads: int, head_dim: int) -> tu
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from agentrl.learners.megatron.attention import PackedCoreAttention
+    from agentrl.learner.megatron.attention import PackedCoreAttention
 
     cfg = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
                             num_query_groups=kv_heads, kv_channels=head_dim, attention_dropout=0.0,
@@ -99,7 +99,7 @@ def _events_ms(fn: Callable[[], None], iters: int, device: torch.device) -> floa
 def measure(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad: torch.Tensor,
             args: argparse.Namespace, device: torch.device, docs: int = 1) -> tuple[dict[str, Any], tuple[torch.Tensor, ...]]:
     """One backend on ``docs`` packed documents: its timings, and its output and dq for the agreement."""
-    from agentrl.learners.megatron.attention import make_packed_params
+    from agentrl.learner.megatron.attention import make_packed_params
 
     length = q.shape[0]
     module, ctx = make_attention(backend, args.heads, args.kv_heads, args.head_dim)

@@ -35,8 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agentrl.learners.megatron import cp_attention
-from agentrl.learners.megatron.cp_attention import (
+from agentrl.learner.megatron import cp_attention
+from agentrl.learner.megatron.cp_attention import (
     all_gather_zigzag,
     cp_document_attention,
     document_causal_attention,

@@ -149,7 +149,7 @@ def main() -> int:
     import ray
 
     from agentrl.config import load_config
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     run_dir = Path(os.environ.get("TMPDIR", "/tmp")) / f"device_chaos_{os.getpid()}"
     result["run_dir"] = str(run_dir)

@@ -64,7 +64,7 @@ def make_model(out: Path, config: Any = None, *, init_dtype: str = "float32") ->
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from agentrl.tiny import bootstrap_tiny
+    from agentrl.model.tiny import bootstrap_tiny
 
     if (out / "config.json").is_file():
         return str(out)
@@ -123,7 +123,7 @@ def run_one(model: str, args: argparse.Namespace, *, placement: str, staleness: 
     import ray
 
     from agentrl.config import load_config
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     colocated = placement == "colocated"
     overrides = [
@@ -200,7 +200,7 @@ def main() -> None:
                    help="0.25 left the engine short of memory for a refit beside the 1.5B learner's step on an H100")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
     args = p.parse_args()
-    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as agentrl.pipeline does: no warning at ray.init
+    os.environ.setdefault("RAY_AUTH_MODE", "token")  # as agentrl.driver.pipeline does: no warning at ray.init
     model = make_model(Path(args.workdir) / "qwen2.5-1.5b-shape")
     results: list[dict[str, Any]] = []
     for placement in args.placements.split(","):

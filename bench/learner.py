@@ -74,8 +74,8 @@ def _docs(n: int, seed: int) -> list[list[int]]:
 def bench_torch(rows: list[dict], iters: int) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from agentrl.learners.hf_forward import chunked_logprobs, packed_token_logprobs
-    from agentrl.packing import pack_sequences
+    from agentrl.learner.hf_forward import chunked_logprobs, packed_token_logprobs
+    from agentrl.learner.packing import pack_sequences
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(Qwen2Config(**QWEN25_15B, attn_implementation="sdpa")).to("cuda", torch.bfloat16)
@@ -146,7 +146,7 @@ def _build_megatron(grad_fp32: bool, state: dict | None):
     from transformers import Qwen2Config
 
     from agentrl.config import FAST_OPTIONS, load_config
-    from agentrl.learners.megatron.learner import MegatronLearner
+    from agentrl.learner.megatron.learner import MegatronLearner
 
     # The named variants switch the fast options on the built model themselves: build with all off.
     cfg = load_config(None, ["learner.backend=megatron", "learner.num_gpus=1", "model.dtype=bfloat16",
@@ -171,8 +171,8 @@ def _train_check(learner, rows: list[dict]) -> None:
     weights each time: eager with the defaults, eager with keep+kvrep+fhead, then cuda_graphs with
     them (capture, replay) -- the recommended config against the defaults (a 16k-token graph and
     Adam's state do not fit together in 80 GB)."""
-    from agentrl.learners.megatron.graphs import DecoderGraphs
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.learner.megatron.graphs import DecoderGraphs
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     g = torch.Generator().manual_seed(2)
     trajs = []
@@ -211,7 +211,7 @@ def _compiled_graphs(checks: list[dict]) -> None:
     """How many graphs dynamo holds for each of the learner's compiled functions (bounded by design)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    from agentrl.learners.megatron import compiled
+    from agentrl.learner.megatron import compiled
 
     counts = {fn.__name__: len(_debug_get_cache_entry_list(fn.__code__)) for fn in compiled._COMPILED}
     checks.append({"check": "compiled_graphs", **counts})
@@ -220,7 +220,7 @@ def _compiled_graphs(checks: list[dict]) -> None:
 
 def bench_megatron(rows: list[dict], checks: list[dict], iters: int, variants: list[str],
                    profile_path: str | None = None, write=lambda: None, train_check: bool = False) -> None:
-    from agentrl.learners.megatron.graphs import use_capture_stream
+    from agentrl.learner.megatron.graphs import use_capture_stream
 
     use_capture_stream()  # every variant on the same side stream, built before DDP (what cuda_graphs does)
     box: dict = {"learner": None, "state": None}  # the learner lives here only: a rebuild frees it
@@ -271,7 +271,7 @@ def _free(box: dict) -> None:
 def _time_case(learner, ref, rows, checks, iters, backend, case, n, write):
     """Time forward + backward of the logprob objective on one packed case; record agreement.
     Returns the timed step (for the profiler)."""
-    from agentrl.packing import pack_sequences
+    from agentrl.learner.packing import pack_sequences
 
     packed = pack_sequences(_docs(n, 1))
 
@@ -305,7 +305,7 @@ def _bench_default(box, ref, rows, checks, iters, write) -> None:
     from transformers import Qwen2Config
 
     from agentrl.config import FAST_OPTIONS
-    from agentrl.learners.megatron.learner import MegatronLearner
+    from agentrl.learner.megatron.learner import MegatronLearner
 
     _free(box)
     for case, n in CASES.items():
@@ -323,7 +323,7 @@ def _bench_default(box, ref, rows, checks, iters, write) -> None:
 
 
 def _bench_variant(box, ref, rows, checks, iters, variant, profile_path, write) -> None:
-    from agentrl.learners.megatron.graphs import DecoderGraphs
+    from agentrl.learner.megatron.graphs import DecoderGraphs
 
     attention, *options = variant.split("+")
     grad_fp32 = "bf16grad" not in options
@@ -387,7 +387,7 @@ def main() -> None:
     for case in set(CASES) - set(args.cases.split(",")):
         del CASES[case]
     if args.static_compile:
-        from agentrl.learners.megatron import compiled
+        from agentrl.learner.megatron import compiled
 
         compiled.DYNAMIC = False
     t0 = time.time()

@@ -46,8 +46,8 @@ def _learner_child(model: str, length: int, chunk: int, out: mp.Queue) -> None:
     import torch
 
     from agentrl.config import load_config
-    from agentrl.learners.base import build_learner
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.learner.base import build_learner
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "1")))
     cfg = load_config(None, [f"model.path={model}", "packing.max_tokens_per_microbatch=16384",
@@ -98,7 +98,7 @@ def learner_row(model: str, length: int, chunk: int) -> dict:
 
 async def _rollout(model: str, lengths: list[int], tokens: int) -> dict[int, dict]:
     from agentrl.config import EngineConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.engine.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(model, EngineConfig(max_model_len=max(lengths), kv_cache_gib=2.0))
     await engine.start()
@@ -139,7 +139,7 @@ def main() -> None:
     args = p.parse_args()
     model = args.model
     if model is None:
-        from agentrl.tiny import bootstrap_tiny
+        from agentrl.model.tiny import bootstrap_tiny
 
         model = str(bootstrap_tiny(Path(tempfile.mkdtemp()) / "tiny16k", **RECIPE_MODEL))
     rollout = asyncio.run(_rollout(model, args.lengths, args.tokens))

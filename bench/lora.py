@@ -74,7 +74,7 @@ def qwen2_config(shape: str):
 
 def config_dir(out: Path, shape: str) -> str:
     """A model directory with the shape's config and the tiny tokenizer, no weights (vLLM's dummy load)."""
-    from agentrl.tiny import bootstrap_tiny
+    from agentrl.model.tiny import bootstrap_tiny
 
     out = Path(out)
     if not (out / "shape.txt").is_file() or (out / "shape.txt").read_text() != shape:
@@ -110,8 +110,8 @@ def bench_refit(args: argparse.Namespace, shapes: list[str]) -> list[dict[str, A
     import torch
 
     from agentrl.config import EngineConfig, LoRAConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.refit import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from agentrl.weights.transports import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
@@ -186,8 +186,8 @@ async def refit_direct(eng: Any, tensors: dict, row: dict[str, Any], args: argpa
     its seconds, and whether it gives the same greedy output as the file path for the same adapter."""
     import torch
 
-    from agentrl.lora import adapter_config, write_adapter_dir
-    from agentrl.refit import flatten_weights, ipc_handle, spec_to_bytes
+    from agentrl.learner.lora import adapter_config, write_adapter_dir
+    from agentrl.weights.transports import flatten_weights, ipc_handle, spec_to_bytes
 
     cuda = torch.cuda.is_available()
     config_json = json.dumps(adapter_config(eng.lora, eng.model_path))
@@ -238,9 +238,9 @@ def fit_one(shape: str, mode: str, tokens: int, rank: int) -> dict[str, Any]:
     import torch
 
     from agentrl.config import LoRAConfig
-    from agentrl.learners.hf_forward import padded_token_logprobs
-    from agentrl.lora import wrap_model
-    from agentrl.optim import adamw
+    from agentrl.learner.hf_forward import padded_token_logprobs
+    from agentrl.learner.lora import wrap_model
+    from agentrl.learner.optim import adamw
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -325,11 +325,11 @@ def bench_agreement(args: argparse.Namespace, shape: str) -> dict[str, Any]:
     import torch
 
     from agentrl.config import EngineConfig, LoRAConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.learners.hf_forward import padded_token_logprobs
-    from agentrl.lora import adapter_tensors, wrap_model
-    from agentrl.models import load_hf_model
-    from agentrl.refit import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from agentrl.learner.hf_forward import padded_token_logprobs
+    from agentrl.learner.lora import adapter_tensors, wrap_model
+    from agentrl.model.loading import load_hf_model
+    from agentrl.weights.transports import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
     from bench.peers.common import make_model
 
     cuda = torch.cuda.is_available()

@@ -82,7 +82,7 @@ def doc_lengths(tokens: int, doc_len: int) -> list[int]:
 
 def make_groups(tokens: int, seed: int = 0, doc_len: int = 0) -> list:
     """One group; rewards 1, 0, 0.5 (mixed layout) or alternating 1, 0 (equal documents)."""
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     rng = random.Random(seed)
     trajs = []
@@ -135,8 +135,8 @@ def make_model_dir(path: Path) -> Path:
 
 def dry_checks(cfg, groups: list, cp: int, model_parallel: int = 1) -> dict:
     """What the learner does to the batch before the model: samples, plan, packing, shards."""
-    from agentrl.learners.common import build_samples, pack_samples, plan_microbatches
-    from agentrl.learners.megatron.cp_attention import zigzag_indices
+    from agentrl.learner.common import build_samples, pack_samples, plan_microbatches
+    from agentrl.learner.megatron.cp_attention import zigzag_indices
 
     samples = build_samples(groups, cfg.advantage)
     dp = max(cfg.learner.num_gpus, 1) // (cp * model_parallel)
@@ -157,7 +157,7 @@ class FakeLearner:
     """CPU stand-in with the learner's surface the phases use (script checks only)."""
 
     def __init__(self, cfg, cp: int, tp: int = 1, pp: int = 1) -> None:
-        from agentrl.learners.megatron.parallel import ParallelLayout
+        from agentrl.learner.megatron.parallel import ParallelLayout
 
         self.cfg = cfg
         world, rank = dist.get_world_size(), dist.get_rank()
@@ -326,7 +326,7 @@ def main() -> None:
         if not dist.is_initialized():
             dist.init_process_group("gloo")
     else:
-        from agentrl.learners.megatron.parallel import init_distributed
+        from agentrl.learner.megatron.parallel import init_distributed
 
         init_distributed()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -364,7 +364,7 @@ def main() -> None:
     else:
         from transformers import Qwen2Config
 
-        from agentrl.learners.megatron.learner import MegatronLearner
+        from agentrl.learner.megatron.learner import MegatronLearner
 
         if args.random_init:
             learner = MegatronLearner(cfg, hf_config=Qwen2Config(**SHAPE))

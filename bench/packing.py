@@ -26,8 +26,8 @@ from collections.abc import Callable
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from agentrl.learners.hf_forward import packed_token_logprobs, padded_token_logprobs
-from agentrl.packing import (
+from agentrl.learner.hf_forward import packed_token_logprobs, padded_token_logprobs
+from agentrl.learner.packing import (
     bin_lower_bound,
     make_microbatches,
     mffd,

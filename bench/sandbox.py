@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from agentrl.envs import PythonSandboxEnv, SandboxLimits, run_sandboxed
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 
 BACKENDS = ("audit_hook", "bwrap")
 LIMITS = SandboxLimits(cpu_time_s=2, wall_time_s=10.0)

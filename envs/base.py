@@ -24,7 +24,7 @@ import anyio
 import gymnasium
 from gymnasium import spaces
 
-from agentrl.tool_calls import DEFAULT_TOOL_PARSER, ToolCall, ToolCallParser, tool_parser_error
+from agentrl.rollout.tool_calls import DEFAULT_TOOL_PARSER, ToolCall, ToolCallParser, tool_parser_error
 from agentrl.envs.tools import (
     SCHEMA_ATTR,
     ToolTimeoutError,
@@ -175,7 +175,7 @@ class ToolEnv(TextEnv):
 
     Subclasses implement ``new_task`` and ``score(answer) -> float`` (reward in [0, 1]; success
     means 1.0). Tool calls are parsed by :attr:`tool_parser` (vLLM's parser of the model's
-    format, see :mod:`agentrl.tool_calls`), validated against each tool's schema, run with a
+    format, see :mod:`agentrl.rollout.tool_calls`), validated against each tool's schema, run with a
     timeout, and answered with one ``tool`` message per call, in order.
 
     Args:

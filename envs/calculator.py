@@ -13,7 +13,7 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from agentrl.envs.base import Message, ToolEnv
 from agentrl.envs.tools import tool
 
@@ -173,7 +173,7 @@ def expert(
     way a careless solver forgets the second step; every such demonstration still shows the tool
     being used and its numbers copied. ``rng_seed`` varies its choices; by default they are a
     fixed function of ``seed``. ``tool_parser`` names the model's tool-call format the calls are
-    written in (:func:`agentrl.tool_calls.format_tool_call`).
+    written in (:func:`agentrl.rollout.tool_calls.format_tool_call`).
 
     Example:
         >>> expert(0, guess_prob=0.0)[1]

@@ -26,7 +26,7 @@ from typing import Any
 from agentrl.envs.base import Message, ToolEnv
 from agentrl.envs.tools import tool
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 
 __all__ = ["CODE_WORDS", "CONTINUED", "NOTE_WORDS", "LongNeedleEnv", "cut_pages", "expert"]
 

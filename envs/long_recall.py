@@ -19,7 +19,7 @@ import random
 import re
 from typing import Any
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from agentrl.envs.base import Message, ToolEnv
 from agentrl.envs.calculator import last_integer
 from agentrl.envs.tools import tool

@@ -25,7 +25,7 @@ from agentrl.envs.base import Message
 from agentrl.envs.coding import CodingEnv
 from agentrl.envs.workspace import WorkspaceLimits, make_tar
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 
 __all__ = ["BUG_FAMILIES", "RepoFixEnv", "expert"]
 

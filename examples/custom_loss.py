@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from agentrl.losses import aggregate_token_losses, kl_estimate, register_loss
+from agentrl.learner.losses import aggregate_token_losses, kl_estimate, register_loss
 
 
 @register_loss("cispo", advantage_factor=True)

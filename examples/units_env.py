@@ -5,7 +5,7 @@ your own project: train on it with `env.id=examples.units_env:my/Units-v0`
 """
 
 import gymnasium
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from agentrl.envs import ToolEnv, tool
 
 

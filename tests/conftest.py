@@ -8,7 +8,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """A tiny Qwen2 model made on the spot (agentrl bootstrap-tiny), shared by the session."""
-    from agentrl.tiny import bootstrap_tiny
+    from agentrl.model.tiny import bootstrap_tiny
 
     return str(bootstrap_tiny(tmp_path_factory.mktemp("tiny") / "model"))
 
@@ -17,7 +17,7 @@ def tiny_model_dir(tmp_path_factory):
 def tiny_family_dir(tmp_path_factory):
     """``tiny_family_dir(family)``: a tiny model of that family (agentrl bootstrap-tiny --family),
     made once per session."""
-    from agentrl.tiny import bootstrap_tiny
+    from agentrl.model.tiny import bootstrap_tiny
 
     made = {}
 

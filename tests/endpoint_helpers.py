@@ -13,7 +13,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from agentrl.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 
 
 @dataclass
@@ -76,8 +76,8 @@ class ServerThread:
 
 def make_endpoint(renderer: ChatRenderer, engine: Any, overrides: list[str] = ()) -> Any:
     from agentrl.config import load_config
-    from agentrl.endpoint import AgentEndpoint
-    from agentrl.tool_calls import ToolCallParser
+    from agentrl.rollout.agent.endpoint import AgentEndpoint
+    from agentrl.rollout.tool_calls import ToolCallParser
 
     cfg = load_config(None, ["rollout.max_new_tokens=16", "rollout.max_turns=64", "rollout.max_total_tokens=4096",
                              "engine.max_model_len=4096", "packing.max_tokens_per_microbatch=4096", *overrides])

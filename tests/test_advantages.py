@@ -7,7 +7,7 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from agentrl.advantages import (
+from agentrl.learner.advantages import (
     ADVANTAGE_ESTIMATORS,
     group_advantages,
     trajectory_token_advantages,
@@ -15,7 +15,7 @@ from agentrl.advantages import (
 )
 from agentrl.config import AdvantageConfig, ConfigError
 from agentrl.testing import reward_groups, trajectories, trajectory_groups
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 FAST = settings(max_examples=80, deadline=None)
 ESTIMATORS = tuple(ADVANTAGE_ESTIMATORS)
@@ -244,7 +244,7 @@ def test_failed_trajectories_excluded_from_baseline(
 
 
 def test_all_failed_and_unspanned_trajectories() -> None:
-    from agentrl.trajectory import Trajectory
+    from agentrl.rollout.trajectory import Trajectory
 
     def traj(reward: float, status: str = "ok") -> Trajectory:
         # No turn_spans: the whole trajectory is one turn.

@@ -112,13 +112,13 @@ def tasks(seed):
 
 
 def agent_of(overrides):
-    from agentrl.agents import load_agent
+    from agentrl.rollout.agent.user import load_agent
 
     return load_agent(AgentConfig(**{"tasks": "tests.test_agent_pool:tasks", "workers": 2, **overrides}))
 
 
 def run_group(served, agent, seed=3, n=4, rollout=None):
-    from agentrl.agents import run_agent_group
+    from agentrl.rollout.agent.user import run_agent_group
 
     endpoint, _, server = served
     rollout = rollout or load_config(None, ["rollout.max_turns=8"]).rollout
@@ -178,7 +178,7 @@ def test_sync_agent_and_scorer_run_in_a_worker(served):
     ("idle_agent", "no completion request"),
 ])
 def test_failing_agents_in_workers_are_counted_and_never_trained_on(served, solve, error):
-    from agentrl.rollout import summarize
+    from agentrl.rollout.episode import summarize
 
     agent = agent_of({"solve": f"tests.test_agent_pool:{solve}"})
     try:
@@ -277,7 +277,7 @@ def test_close_leaves_no_worker_process(served):
     assert time.perf_counter() - t0 < 5  # the stuck thread did not hold its worker up
     assert all(gone(p) for p in pids) and pool.pids() == []
     assert [c for c in psutil.Process().children(recursive=True) if c.pid in pids] == []
-    from agentrl.agent_pool import AgentWorkerDied
+    from agentrl.rollout.agent.pool import AgentWorkerDied
 
     with pytest.raises(AgentWorkerDied):
         stuck.result(10)
@@ -289,7 +289,7 @@ def test_close_leaves_no_worker_process(served):
 SCRIPT = """
 import asyncio, json, sys
 sys.path.insert(0, {repo!r})
-from agentrl.agent_pool import AgentWorkerPool
+from agentrl.rollout.agent.pool import AgentWorkerPool
 from pathlib import Path
 
 async def main():
@@ -357,14 +357,14 @@ def test_workers_config_is_checked():
     assert load_config(None, ["agent.workers=4"]).agent.workers == 4
     with pytest.raises(ConfigError, match="agent.workers"):
         load_config(None, ["agent.workers=-1"])
-    from agentrl.agent_pool import AgentWorkerPool
+    from agentrl.rollout.agent.pool import AgentWorkerPool
 
     with pytest.raises(ValueError, match="at least 1 worker"):
         AgentWorkerPool(0)
 
 
 def test_a_task_that_does_not_pickle_fails_its_episode_with_a_clear_error(served):
-    from agentrl.agents import run_agent_episode
+    from agentrl.rollout.agent.user import run_agent_episode
 
     endpoint, _, server = served
     agent = agent_of({"solve": "tests.test_agent_pool:idle_agent", "workers": 1})

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from agentrl.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.config import AgentConfig, ConfigError, load_config
 from tests.endpoint_helpers import calculate_loop, check_exact_tokens, serving
 
@@ -65,13 +65,13 @@ def tasks(seed):
 
 
 def agent_of(overrides):
-    from agentrl.agents import load_agent
+    from agentrl.rollout.agent.user import load_agent
 
     return load_agent(AgentConfig(**{"tasks": "tests.test_agents:tasks", **overrides}))
 
 
 def run_group(served, agent, seed=3, n=4, rollout=None):
-    from agentrl.agents import run_agent_group
+    from agentrl.rollout.agent.user import run_agent_group
 
     endpoint, _, server = served
     rollout = rollout or load_config(None, ["rollout.max_turns=8"]).rollout
@@ -120,7 +120,7 @@ def test_sync_agent_runs_in_a_thread_with_a_scorer(served):
     ("idle_agent", "no completion request"),
 ])
 def test_failing_agents_are_counted_and_never_trained_on(served, solve, error):
-    from agentrl.rollout import summarize
+    from agentrl.rollout.episode import summarize
 
     group = run_group(served, agent_of({"solve": f"tests.test_agents:{solve}"}), n=2)
     assert [t.status for t in group.trajectories] == ["failed"] * 2
@@ -143,7 +143,7 @@ def test_an_agent_that_never_returns_times_out_and_its_key_dies(served):
 
 
 def test_overlong_episode_is_truncated_as_rollout_overlong_says(served):
-    from agentrl.agents import run_agent_group
+    from agentrl.rollout.agent.user import run_agent_group
 
     endpoint, _, server = served
 
@@ -173,7 +173,7 @@ async def overlong_agent(client, task):
 
 
 def test_tasks_from_jsonl_and_functions(tmp_path):
-    from agentrl.agents import TaskSource
+    from agentrl.rollout.agent.user import TaskSource
 
     path = tmp_path / "tasks.jsonl"
     path.write_text("\n".join(json.dumps({"q": i}) for i in range(3)) + "\n")
@@ -199,10 +199,10 @@ def test_config_errors_name_the_key():
 
 
 def test_segments_of_one_episode_count_once_in_the_baseline():
-    from agentrl.advantages import trajectory_token_advantages
+    from agentrl.learner.advantages import trajectory_token_advantages
     from agentrl.config import AdvantageConfig
-    from agentrl.rollout import summarize
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.episode import summarize
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     def seg(episode, k, n, reward):
         return Trajectory([1, 2, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, 0, 0], turn_spans=[(1, 3)],
@@ -219,7 +219,7 @@ def test_segments_of_one_episode_count_once_in_the_baseline():
 
 def test_agent_modules_are_shipped_to_cluster_nodes_like_env_modules(tmp_path):
     from agentrl.actors.runtime_env import build_runtime_env
-    from agentrl.agents import load_agent
+    from agentrl.rollout.agent.user import load_agent
 
     cfg = load_config(None, ["agent.solve=examples.calculator_agent:solve", "agent.tasks=tests.test_agents:tasks"])
     load_agent(cfg.agent)
@@ -237,7 +237,7 @@ def test_calculator_agent_requests_render_to_the_env_paths_tokens(tiny_model_dir
     from transformers import AutoTokenizer
 
     from agentrl.envs.calculator import CalculatorEnv
-    from agentrl.recorder import EpisodeRecorder
+    from agentrl.rollout.agent.recorder import EpisodeRecorder
     from examples.calculator_agent import SYSTEM, TOOLS, run_tool
     from examples.calculator_agent import tasks as agent_tasks
 

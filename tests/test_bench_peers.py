@@ -14,10 +14,10 @@ import gymnasium
 import pytest
 from transformers import AutoTokenizer
 
-from agentrl.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.config import RolloutConfig, load_config
-from agentrl.engines.vllm_engine import GenerationResult
-from agentrl.rollout import run_episode
+from agentrl.engine.vllm_engine import GenerationResult
+from agentrl.rollout.episode import run_episode
 from bench.peers.common import (
     WORKLOADS,
     observation_text,
@@ -276,7 +276,7 @@ def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monke
     """A run stopped by its call's time limit (the trainer turns SIGTERM into KeyboardInterrupt)
     still writes a result, status "cut", with the figures of the timed steps it finished, before
     the trainer's shutdown; the runner then exits non-zero."""
-    import agentrl.trainer
+    import agentrl.driver.trainer
     from bench.peers import run_agentrl
     from bench.peers.common import harness_parser
 
@@ -301,7 +301,7 @@ def test_agentrl_runner_cut_by_sigterm_writes_the_steps_it_timed(tmp_path, monke
         def shutdown(self):
             events.append("shutdown:" + ("written" if (tmp_path / "out.json").is_file() else "nothing"))
 
-    monkeypatch.setattr(agentrl.trainer, "Trainer", StandIn)
+    monkeypatch.setattr(agentrl.driver.trainer, "Trainer", StandIn)
     args = harness_parser(run_agentrl.__doc__).parse_args(
         ["--workload", "multi", "--workdir", str(tmp_path), "--out", str(tmp_path / "out.json"), "--steps", "5",
          "--warmup", "1"])

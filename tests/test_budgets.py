@@ -9,10 +9,10 @@ import anyio
 import pytest
 from transformers import AutoTokenizer
 
-from agentrl.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.config import RolloutConfig
-from agentrl.engines.vllm_engine import GenerationResult
-from agentrl.rollout import run_episode, summarize
+from agentrl.engine.vllm_engine import GenerationResult
+from agentrl.rollout.episode import run_episode, summarize
 from tests.e2e_envs import ChaosEnv
 
 

@@ -52,8 +52,8 @@ def _wait_for(cond, timeout: float, what: str, poll_s: float = 0.2) -> float:
 def chaos(tiny_model_dir, tmp_path_factory):
     import ray
 
-    from agentrl.trainer import Trainer
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.driver.trainer import Trainer
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     run_dir = tmp_path_factory.mktemp("chaos") / "run"
     cfg = load_config(None, e2e_overrides(
@@ -271,7 +271,7 @@ def test_engine_killed_without_staged_weights_gets_the_current_ones(tiny_model_d
     counted as progress)."""
     import ray
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     run_dir = tmp_path / "run"
     steps = 5

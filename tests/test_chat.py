@@ -3,7 +3,7 @@ import json
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from agentrl.chat import ChatRenderer, format_tool_call, parse_tool_calls
+from agentrl.rollout.chat import ChatRenderer, format_tool_call, parse_tool_calls
 
 
 def test_parse_single_call():
@@ -100,7 +100,7 @@ def test_malformed_calls_log_nothing_after_vllm_reconfigures_logging():
     from vllm.logger import _configure_vllm_root_logger
     from vllm.tool_parsers import ToolParserManager
 
-    from agentrl.tool_calls import ToolCallParser
+    from agentrl.rollout.tool_calls import ToolCallParser
 
     parser = ToolCallParser("hermes")
     _configure_vllm_root_logger()  # what an engine starting in this process does

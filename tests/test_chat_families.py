@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.chat import ChatRenderer
-from agentrl.tool_calls import FAMILY_TOOL_PARSERS, ToolCall, ToolCallParser, format_tool_calls
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.tool_calls import FAMILY_TOOL_PARSERS, ToolCall, ToolCallParser, format_tool_calls
 
 FAMILIES = ["qwen2", "qwen3", "llama3", "mistral"]
 END_OF_TURN = {"qwen2": "<|im_end|>", "qwen3": "<|im_end|>", "llama3": "<|eot_id|>", "mistral": "</s>"}

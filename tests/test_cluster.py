@@ -23,7 +23,7 @@ def test_three_nodes_survive_losing_the_engine_node(tiny_model_dir, tmp_path):
     import ray
     from ray.cluster_utils import Cluster
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     import psutil
 

@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import load_config
-from agentrl.learners.megatron import cp_attention
-from agentrl.learners.megatron.cp_attention import (
+from agentrl.learner.megatron import cp_attention
+from agentrl.learner.megatron.cp_attention import (
     all_gather_zigzag,
     cp_document_attention,
     document_causal_attention,
@@ -245,7 +245,7 @@ def test_flex_block_mask_equals_dense_mask(data: st.DataObject, cp_size: int, bl
 def test_cp1_core_attention_block_mask_equals_dense_mask(lengths: list[int]) -> None:
     # The CP=1 path of the Megatron core attention builds its mask with the same builder from
     # cu_seqlens (empty documents included); it must equal the document-causal mask.
-    from agentrl.learners.megatron import attention
+    from agentrl.learner.megatron import attention
 
     cu = _cu(lengths)
     t = int(cu[-1])

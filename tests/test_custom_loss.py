@@ -12,7 +12,7 @@ import torch
 
 from agentrl.config import ConfigError, load_config
 from agentrl.docs import REPO, code_blocks
-from agentrl.registry import ADVANTAGE_ESTIMATORS, LEARNERS, LOSSES, check_components
+from agentrl.config.registry import ADVANTAGE_ESTIMATORS, LEARNERS, LOSSES, check_components
 from agentrl.testing import check_policy_loss, loss_configs
 
 GUIDE = REPO / "docs" / "guides" / "custom-loss.md"
@@ -57,7 +57,7 @@ def test_the_guide_blocks_run_as_a_user_project(tmp_path, monkeypatch):
     exec(compile(test, f"{GUIDE}:test block", "exec"), namespace)  # noqa: S102 - the guide's own block
     namespace["test_cispo_keeps_the_loss_invariants"]()
 
-    from agentrl.advantages import group_advantages
+    from agentrl.learner.advantages import group_advantages
 
     cfg = load_config(None, ["loss.type=my_losses:cispo", "advantage.estimator=my_estimators:median"])
     check_components(cfg)  # imports both modules, as a run's start does
@@ -83,14 +83,14 @@ def test_the_property_checks_catch_a_loss_that_reads_padding():
 
 
 def _samples():
-    from agentrl.learners.common import TrainSample
+    from agentrl.learner.common import TrainSample
 
     return [TrainSample([1, 2, 3, 4], [0, 1, 1, 1], [0.0, -1.0, -0.5, -2.0], [0.0, 1.0, 1.0, 1.0], [0] * 4),
             TrainSample([5, 6, 7], [0, 1, 1], [0.0, -0.3, -0.7], [0.0, 0.0, 0.0], [0] * 3)]
 
 
 def test_the_learners_micro_batch_loss_calls_the_configured_loss():
-    from agentrl.learners.common import global_counts, microbatch_loss, pack_samples, with_signal
+    from agentrl.learner.common import global_counts, microbatch_loss, pack_samples, with_signal
 
     samples = _samples()
     packed = pack_samples(samples, [0, 1])
@@ -113,7 +113,7 @@ def test_the_learners_micro_batch_loss_calls_the_configured_loss():
 
 
 def test_a_loss_of_unknown_form_keeps_every_sample(tmp_path, monkeypatch):
-    from agentrl.learners.common import with_signal
+    from agentrl.learner.common import with_signal
 
     (tmp_path / "my_plain.py").write_text("def entropy_bonus(*args, **kwargs):\n    return None\n")
     monkeypatch.chdir(tmp_path)
@@ -129,7 +129,7 @@ def test_the_runtime_env_ships_the_loss_module_and_placement_asks_the_backend(tm
     check_components(cfg)
     assert str(REPO / "examples") in build_runtime_env(cfg).get("py_modules", [])
     (tmp_path / "my_backend.py").write_text(
-        "from agentrl.learners.base import register_learner\n\n"
+        "from agentrl.learner.base import register_learner\n\n"
         "@register_learner('ranked', distributed=True)\n"
         "class Ranked:\n    def __init__(self, cfg, **kwargs):\n        self.kwargs = kwargs\n")
     monkeypatch.chdir(tmp_path)
@@ -137,6 +137,6 @@ def test_the_runtime_env_ships_the_loss_module_and_placement_asks_the_backend(tm
     check_components(ranked)
     assert learner_world_size(ranked) == 3
     assert learner_world_size(load_config(None, ["learner.num_gpus=3"])) == 1  # torch: one actor
-    from agentrl.learners.base import build_learner
+    from agentrl.learner.base import build_learner
 
     assert build_learner(ranked, model_path="m", rank=1).kwargs == {"model_path": "m", "rank": 1}

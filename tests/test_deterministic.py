@@ -16,9 +16,9 @@ import pytest
 
 import agentrl.envs  # noqa: F401
 from agentrl.config import RolloutConfig, load_config
-from agentrl.replay import ReplayQueue
-from agentrl.rollout import request_seed, run_episode
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.replay.queue import ReplayQueue
+from agentrl.rollout.episode import request_seed, run_episode
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 
 def test_deterministic_is_on_policy_with_one_actor_and_seeded_requests():
@@ -63,7 +63,7 @@ class _RecordingEngine:
 def test_the_episode_passes_each_request_its_seed(sampling_seed, tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
 
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
     engine = _RecordingEngine()
@@ -95,7 +95,7 @@ def _seeded_crowd(model_dir: str, engine_args: dict | None = None) -> tuple[list
     import asyncio
 
     from agentrl.config import EngineConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.engine.vllm_engine import VLLMEngine
 
     prompts = [[10 + (7 * k + i) % 200 for i in range(200)] for k in range(41)]
 

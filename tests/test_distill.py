@@ -11,16 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import AdvantageConfig, ConfigError, DistillConfig, LossConfig
-from agentrl.distill import (
+from agentrl.learner.distill import (
     check_teacher,
     distill_token_advantages,
     policy_token_logprobs,
     reverse_kl_per_token,
     reverse_kl_summary,
 )
-from agentrl.learners.common import build_samples
-from agentrl.losses import compute_policy_loss
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.learner.common import build_samples
+from agentrl.learner.losses import compute_policy_loss
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 logit_tables = st.integers(1, 3).flatmap(
     lambda positions: st.integers(2, 6).flatmap(
@@ -143,11 +143,11 @@ def test_teacher_engine_scores_the_students_tokens_in_multi_turn_episodes(tiny_m
     import tests.e2e_envs  # noqa: F401  (registers LongObservation-v0)
     from agentrl.actors.engine import EngineActor
     from agentrl.actors.rollout import Router
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
     from agentrl.config import EngineConfig, RolloutConfig
-    from agentrl.distill import score_group
-    from agentrl.rollout import run_group
-    from agentrl.tiny import bootstrap_tiny, tiny_corpus
+    from agentrl.learner.distill import score_group
+    from agentrl.rollout.episode import run_group
+    from agentrl.model.tiny import bootstrap_tiny, tiny_corpus
 
     # other weights, the same tokenizer (trained on the seed-0 corpus, as the student's)
     teacher_dir = str(bootstrap_tiny(tmp_path / "teacher", seed=1, corpus=tiny_corpus(seed=0)))
@@ -228,8 +228,8 @@ def test_train_with_a_teacher_and_dynamic_sampling(tiny_model_dir, tmp_path, top
     from tests.test_pipeline_e2e import e2e_overrides, read_rows, start_ray
 
     from agentrl.config import load_config
-    from agentrl.pipeline import train
-    from agentrl.tiny import bootstrap_tiny, tiny_corpus
+    from agentrl.driver.pipeline import train
+    from agentrl.model.tiny import bootstrap_tiny, tiny_corpus
 
     teacher = bootstrap_tiny(tmp_path / "teacher", seed=1, corpus=tiny_corpus(seed=0))
     run_dir = tmp_path / "run"
@@ -284,7 +284,7 @@ def test_dense_top_k_loss_is_the_top_k_kl_and_pulls_the_student_to_the_teacher(t
     coef * (student - q_k) / states; reverse, KL(student || teacher) over the k ids and one
     bucket for the rest. A small step against the gradient lowers that KL, and with k = vocab
     the full KL of that direction too."""
-    from agentrl.learners.common import microbatch_loss, pack_samples
+    from agentrl.learner.common import microbatch_loss, pack_samples
 
     student_logits, teacher_logits = tables
     num_states, vocab = student_logits.shape
@@ -383,7 +383,7 @@ def test_config_top_k_is_bounded_and_torch_only():
 def test_chunked_logprobs_of_k_ids_per_row_match_log_softmax_and_its_gradient(rows, vocab, k, chunk, seed):
     """The learner scores the sampled token and the teacher's top k in one pass: chunked_logprobs
     with [T, K] targets (duplicates allowed) equals log_softmax(...).gather, value and gradient."""
-    from agentrl.learners.hf_forward import chunked_logprobs
+    from agentrl.learner.hf_forward import chunked_logprobs
 
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(rows, 5, generator=g, dtype=torch.float64, requires_grad=True)
@@ -409,8 +409,8 @@ def test_a_learner_step_of_dense_distillation_lowers_the_top_k_kl(tiny_model_dir
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import Config
-    from agentrl.learners.torch_learner import TorchLearner
-    from agentrl.tiny import bootstrap_tiny, tiny_corpus
+    from agentrl.learner.torch_learner import TorchLearner
+    from agentrl.model.tiny import bootstrap_tiny, tiny_corpus
 
     teacher_dir = bootstrap_tiny(tmp_path / "teacher", seed=1, corpus=tiny_corpus(seed=0))
     teacher = AutoModelForCausalLM.from_pretrained(str(teacher_dir)).eval()

@@ -154,7 +154,7 @@ def test_mkdocs_build_strict(tmp_path):
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    assert (tmp_path / "site" / "reference" / "api" / "agentrl.losses" / "index.html").is_file()
+    assert (tmp_path / "site" / "reference" / "api" / "agentrl.learner.losses" / "index.html").is_file()
 
 
 _LINE = st.text(st.characters(blacklist_categories=("Cs", "Cc")), max_size=30).filter(lambda s: "`" not in s and "~~~" not in s)

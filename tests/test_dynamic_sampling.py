@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from agentrl.config import ConfigError, load_config
-from agentrl.replay import DynamicSamplingStalled, ReplayQueue, raw_reward, zero_spread
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.replay.queue import DynamicSamplingStalled, ReplayQueue, raw_reward, zero_spread
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 
 def episode(version: int, reward: float, *, raw: float | None = None, status: str = "ok") -> Trajectory:
@@ -216,10 +216,10 @@ def test_the_episode_loop_keeps_the_envs_reward_when_overlong_zeroes_it(tiny_mod
     import anyio
     from transformers import AutoTokenizer
 
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
     from agentrl.config import RolloutConfig
     from agentrl.envs.base import TextEnv, Turn
-    from agentrl.rollout import run_episode
+    from agentrl.rollout.episode import run_episode
     from tests.test_rollout_families import ScriptedEngine
 
     class PaysThenTalks(TextEnv):

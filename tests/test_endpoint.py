@@ -16,8 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentrl.chat import ChatRenderer
-from agentrl.trajectory import TrajectoryGroup
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.rollout.trajectory import TrajectoryGroup
 from tests.endpoint_helpers import RecordingSampler, ServerThread, check_exact_tokens, make_endpoint, tool_results
 
 MODEL = "agentrl-policy"
@@ -59,7 +59,7 @@ def test_trained_tokens_equal_sampled_tokens_for_any_interleaving(served, seed, 
     tokens before it; continuations never start a segment, rewrites always do; and the learner's
     samples (build_samples) are those tokens with the prompt and observations masked."""
     from agentrl.config import AdvantageConfig
-    from agentrl.learners.common import build_samples
+    from agentrl.learner.common import build_samples
 
     endpoint, sampler, _ = served
     sampler.rng.seed(seed)
@@ -363,7 +363,7 @@ def test_model_call_and_sampled_token_budgets_hold_for_plain_and_streamed_reques
 @settings(deadline=None)
 @given(ids=st.lists(st.integers(0, 4), max_size=14), stops=st.lists(st.text("abcde", min_size=1, max_size=3), max_size=3))
 def test_cut_at_stop_finds_the_first_token_that_completes_a_stop_string(ids, stops):
-    from agentrl.endpoint import cut_at_stop
+    from agentrl.rollout.agent.endpoint import cut_at_stop
 
     def decode(xs):
         return "".join("abcde"[i] for i in xs)

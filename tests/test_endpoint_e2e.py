@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.config import load_config
 from tests.endpoint_helpers import Sampled, ServerThread, check_exact_tokens, make_endpoint
 
@@ -53,7 +53,7 @@ class RecordingEngine:
 def real(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.engine.vllm_engine import VLLMEngine
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "engine.max_model_len=1024"])
     server = ServerThread()
@@ -74,14 +74,14 @@ def real(tiny_model_dir):
 
 
 def _agent(solve):
-    from agentrl.agents import load_agent
+    from agentrl.rollout.agent.user import load_agent
     from agentrl.config import AgentConfig
 
     return load_agent(AgentConfig(solve=solve, tasks="examples.calculator_agent:tasks"))
 
 
 def _group(real, solve, seed, n=4):
-    from agentrl.agents import run_agent_group
+    from agentrl.rollout.agent.user import run_agent_group
 
     endpoint, _, server, _ = real
     rollout = load_config(None, ["rollout.max_turns=3", "rollout.max_new_tokens=24", "rollout.temperature=1.0"]).rollout
@@ -100,7 +100,7 @@ def _check(real, group):
 def test_openai_sdk_agent_exact_tokens_and_logprob_agreement(real):
     """The plain openai-SDK Calculator agent on the real engine: every sampled token is trained as
     sampled, and the learner's logprobs of the endpoint trajectories equal the engine's."""
-    from agentrl.learners.torch_learner import TorchLearner
+    from agentrl.learner.torch_learner import TorchLearner
 
     group = _group(real, "examples.calculator_agent:solve", seed=101)
     assert len(_check(real, group)) == 4 and all(t.status != "failed" for t in group.trajectories)
@@ -219,7 +219,7 @@ def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path, work
     import psutil
     import ray
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
     from tests.test_pipeline_e2e import e2e_overrides, read_rows
 
     started = not ray.is_initialized()
@@ -235,7 +235,7 @@ def test_train_three_steps_through_the_agents_sdk(tiny_model_dir, tmp_path, work
 
     def agent_workers() -> list[psutil.Process]:  # this run's, children of its rollout actors
         return [p for p in psutil.process_iter(["cmdline", "create_time"]) if p.info["create_time"] >= t0 - 1
-                and "agentrl.agent_worker" in (p.info["cmdline"] or [])]
+                and "agentrl.rollout.agent.worker" in (p.info["cmdline"] or [])]
 
     try:
         trainer.run()

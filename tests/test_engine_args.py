@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from agentrl.config import ConfigError, load_config
-from agentrl.engines.vllm_engine import VLLMEngine
+from agentrl.engine.vllm_engine import VLLMEngine
 
 
 def _kwargs(overrides, **engine):
@@ -52,7 +52,7 @@ def test_gpu_engines_prefill_in_vllm_offline_sized_steps():
     would take 2,048: a 131k-token episode in 64 steps), vLLM's own default on a CPU engine (whole
     prompts); an int is passed as it is, null leaves vLLM's default, and a budget below the requests
     batched at once is refused."""
-    from agentrl.config_rollout import AUTO_BATCHED_TOKENS
+    from agentrl.config.rollout import AUTO_BATCHED_TOKENS
 
     gpu = load_config(None, ["engine.num_gpus=1"])
     assert gpu.engine.max_num_batched_tokens == AUTO_BATCHED_TOKENS == 16384

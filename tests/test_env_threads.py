@@ -7,7 +7,7 @@ import threading
 import anyio
 import pytest
 
-from agentrl.rollout import widen_env_threads
+from agentrl.rollout.episode import widen_env_threads
 
 
 def _all_at_once(calls: int, *, widen: bool) -> None:

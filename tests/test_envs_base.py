@@ -9,7 +9,7 @@ import gymnasium
 import pytest
 
 import agentrl.envs  # noqa: F401  (registers the built-ins)
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from agentrl.envs import ChatMessages, ToolEnv, tool
 from agentrl.envs.tools import validate_arguments
 

@@ -14,7 +14,7 @@ from gymnasium.utils.env_checker import check_env
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from agentrl.envs import BUILTIN_ENV_IDS, ChatMessages
 
 FAST = {"agentrl/PythonSandbox-v0": {"cpu_time_s": 1, "wall_time_s": 2.0, "memory_mb": 256},

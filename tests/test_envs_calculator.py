@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.chat import parse_tool_calls
+from agentrl.rollout.chat import parse_tool_calls
 from agentrl.envs import CalculatorEnv
 from agentrl.envs.calculator import evaluate, expert, last_integer
 

@@ -11,7 +11,7 @@ import re
 
 import pytest
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from agentrl.envs import FileNavigatorEnv, PythonSandboxEnv, SearchEnv, WordleEnv
 from agentrl.envs.wordle import WORDS, feedback
 

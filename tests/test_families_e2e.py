@@ -12,10 +12,10 @@ def test_expert_demonstrations_call_the_tool_in_the_familys_format(family, tiny_
     family's vLLM parser) answers with the result, which the delta renders in the family's role."""
     from transformers import AutoTokenizer
 
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
     from agentrl.envs.calculator import CalculatorEnv
-    from agentrl.sft import build_demonstrations
-    from agentrl.tool_calls import build_tool_parser
+    from agentrl.driver.sft import build_demonstrations
+    from agentrl.rollout.tool_calls import build_tool_parser
 
     path = tiny_family_dir(family)
     tok = AutoTokenizer.from_pretrained(path)
@@ -36,8 +36,8 @@ def test_expert_demonstrations_call_the_tool_in_the_familys_format(family, tiny_
 
 def test_model_family_key_bootstraps_that_family(tmp_path):
     from agentrl.config import ConfigError
-    from agentrl.tiny import tiny_family
-    from agentrl.models import resolve_model_path
+    from agentrl.model.tiny import tiny_family
+    from agentrl.model.loading import resolve_model_path
 
     cfg = load_config(None, [f"model.path={tmp_path / 'm'}", "model.bootstrap_tiny=true", "model.family=llama3"])
     path = resolve_model_path(cfg)
@@ -75,7 +75,7 @@ def test_cli_bootstrap_tiny_family_and_eval_parser_check(tmp_path):
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "bootstrap-tiny", str(tmp_path / "m"), "--family",
                           "mistral"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    from agentrl.tool_calls import detect_tool_parser
+    from agentrl.rollout.tool_calls import detect_tool_parser
 
     assert detect_tool_parser(tmp_path / "m") == "mistral"
     out = subprocess.run([sys.executable, "-m", "agentrl.cli", "eval", "--model", str(tmp_path / "m"),

@@ -33,7 +33,7 @@ def _report(key: str, value: object) -> None:
 
 
 def _weights(model_dir: str, *, noise: float, seed: int = 0) -> dict[str, torch.Tensor]:
-    from agentrl.learners.megatron.weights import read_hf_state_dict
+    from agentrl.learner.megatron.weights import read_hf_state_dict
 
     state = read_hf_state_dict(model_dir)
     gen = torch.Generator().manual_seed(seed)
@@ -50,8 +50,8 @@ def _used_gib() -> float:
 def engine_run(tiny_model_dir):
     """One engine, driven through refits and sleeps; returns what each stage produced."""
     from agentrl.config import EngineConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.refit import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from agentrl.weights.transports import RefitPayload, flatten_weights, ipc_handle, spec_to_bytes
 
     prompt = list(range(10, 40))
 
@@ -158,7 +158,7 @@ def _engine_vs_learner(trainer, temperature: float) -> dict[str, float]:
     estimate of KL(engine || learner) per token."""
     import ray
 
-    from agentrl.trajectory import Trajectory
+    from agentrl.rollout.trajectory import Trajectory
 
     engine = trainer.engines[0]
     prompts = [list(range(5 + k, 45 + k)) for k in range(8)]
@@ -185,7 +185,7 @@ def test_colocated_pipeline_engine_matches_megatron_learner(tiny_model_dir, tmp_
     import ray
 
     from agentrl.config import load_config
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", [
         f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "sft.enabled=false",

@@ -1,4 +1,4 @@
-"""Packed forward of a Hugging Face causal LM and chunked logprobs (agentrl/learners/hf_forward.py)."""
+"""Packed forward of a Hugging Face causal LM and chunked logprobs (agentrl/learner/hf_forward.py)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from agentrl.learners.hf_forward import (
+from agentrl.learner.hf_forward import (
     PACKED_ATTENTION,
     chunked_logprobs,
     document_block_mask,
     packed_token_logprobs,
     padded_token_logprobs,
 )
-from agentrl.packing import make_microbatches, pack_sequences, unpack, unpack_padded
+from agentrl.learner.packing import make_microbatches, pack_sequences, unpack, unpack_padded
 
 VOCAB = 256
 
@@ -343,7 +343,7 @@ def test_packed_logprobs_and_their_backward_never_wait_for_the_gpu():
 def test_the_fused_head_gives_the_chunked_heads_logprobs_and_gradients(monkeypatch, vocab_limit):
     # On a GPU with bf16 weights the packed path scores tokens with the Megatron learner's fused
     # head; here both heads run on CPU (the fused one uncompiled) on the same bf16 model.
-    import agentrl.learners.hf_forward as hf
+    import agentrl.learner.hf_forward as hf
 
     torch.manual_seed(11)
     seqs = [torch.randint(0, VOCAB - 6, (n,)).tolist() for n in (40, 9, 1, 23)]

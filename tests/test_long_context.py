@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import agentrl.envs  # noqa: F401
-from agentrl.advantages import trajectory_token_advantages
-from agentrl.chat import ChatRenderer, format_tool_call
+from agentrl.learner.advantages import trajectory_token_advantages
+from agentrl.rollout.chat import ChatRenderer, format_tool_call
 from agentrl.config import AdvantageConfig, RolloutConfig, load_config
-from agentrl.engines.vllm_engine import GenerationResult
+from agentrl.engine.vllm_engine import GenerationResult
 from agentrl.envs.long_recall import LongRecallEnv, expert
-from agentrl.learners.common import build_samples
-from agentrl.replay import ReplayQueue
-from agentrl.rollout import cap_tool_outputs, run_episode
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.learner.common import build_samples
+from agentrl.replay.queue import ReplayQueue
+from agentrl.rollout.episode import cap_tool_outputs, run_episode
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 
 

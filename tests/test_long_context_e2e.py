@@ -32,7 +32,7 @@ def ray_local():
 
 @pytest.fixture(scope="module")
 def model_16k(tmp_path_factory):
-    from agentrl.tiny import bootstrap_tiny
+    from agentrl.model.tiny import bootstrap_tiny
 
     return str(bootstrap_tiny(tmp_path_factory.mktemp("tiny16k") / "model", max_position_embeddings=16384,
                               rope_theta=1e6, hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -58,7 +58,7 @@ class _RefitAfter:
 
 def _short_group(renderer):
     """Two short trajectories with different rewards: a learner step on them moves the weights."""
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     trajs = []
     for reward, text in ((1.0, "seven 7"), (0.0, "nothing here")):
@@ -78,9 +78,9 @@ def test_long_episode_with_a_refit_inside_trains_as_sampled(model_16k, ray_local
     from agentrl.actors.engine import EngineActor
     from agentrl.actors.learner import LearnerGroup
     from agentrl.actors.replay import ReplayActor
-    from agentrl.chat import ChatRenderer
-    from agentrl.rollout import run_episode
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.chat import ChatRenderer
+    from agentrl.rollout.episode import run_episode
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     ray = ray_local
     cfg = load_config(None, [
@@ -151,7 +151,7 @@ def test_long_context_16k_config_builds_its_actors_on_cpu(model_16k, ray_local, 
     """The GPU recipe, with the GPU sizes swapped for CPU ones by overrides: parses, validates
     (its Megatron section included) and builds engine, learner, replay and rollout actors. The
     Megatron learner itself needs CUDA, so the learner here is the torch one."""
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     path = REPO / "configs" / "long_context_16k.yaml"
     as_written = load_config(path)

@@ -23,7 +23,7 @@ from agentrl.envs.long_needle import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from agentrl.config import load_config
 
 CALL = format_tool_call("next_page", {})
@@ -158,7 +158,7 @@ def test_a_zero_observation_loss_weight_keeps_existing_sft_caches_valid():
     import hashlib
     import json
 
-    from agentrl.sft import _fingerprint
+    from agentrl.driver.sft import _fingerprint
 
     cfg = load_config("configs/quickstart.yaml")
     sft = {k: v for k, v in cfg.sft.model_dump().items() if k != "observation_loss_weight"}

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import ConfigError, LoRAConfig, load_config
-from agentrl.lora import (
+from agentrl.learner.lora import (
     adapter_config,
     adapter_tensors,
     engine_max_rank,
@@ -24,8 +24,8 @@ from agentrl.lora import (
     wrap_model,
     write_adapter_dir,
 )
-from agentrl.models import load_hf_model
-from agentrl.refit import unflatten_weights
+from agentrl.model.loading import load_hf_model
+from agentrl.weights.transports import unflatten_weights
 
 
 def test_config_defaults_off_and_refuses_what_cannot_run():
@@ -254,7 +254,7 @@ def test_adapter_refit_changes_greedy_output_and_restoring_gives_it_back(tiny_mo
     a perturbed adapter changes it; the first adapter again gives the earlier output exactly; the
     engine's logprobs of sampled tokens equal base + adapter's in the learner's model (float32)."""
     from agentrl.config import EngineConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.engine.vllm_engine import VLLMEngine
 
     cfg = LoRAConfig(rank=8)
     model = wrap_model(load_hf_model(tiny_model_dir), cfg, tiny_model_dir)
@@ -316,9 +316,9 @@ def test_merged_refit_serves_base_plus_adapter_without_lora(tiny_model_dir):
     of export_merged_flat); then it scores tokens as the learner does with its adapter on, and not
     as the base."""
     from agentrl.config import EngineConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.learners.torch_learner import TorchLearner
-    from agentrl.trajectory import Trajectory
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from agentrl.learner.torch_learner import TorchLearner
+    from agentrl.rollout.trajectory import Trajectory
     from tests.test_pipeline_e2e import mean_abs_diff
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", "learner.lora.rank=8", "learner.lora.serve=merged"])

@@ -26,7 +26,7 @@ def _engine_vs_learner(trainer, temperature: float = 1.0) -> dict[str, float]:
     |diff| and the k3 estimate of KL(engine || learner) per token, as for full weights on the GPU."""
     import ray
 
-    from agentrl.trajectory import Trajectory
+    from agentrl.rollout.trajectory import Trajectory
 
     engine = trainer.engines[0]
     prompts = [list(range(5 + k, 25 + k)) for k in range(4)]
@@ -79,8 +79,8 @@ def test_lora_served_merged_trains_refits_and_resumes(tiny_model_dir, tmp_path):
     resumed run loads the adapter checkpoint and refits the merged weights before it samples."""
     import ray
 
-    from agentrl.trainer import Trainer
-    from agentrl.trajectory import Trajectory
+    from agentrl.driver.trainer import Trainer
+    from agentrl.rollout.trajectory import Trajectory
     from tests.test_pipeline_e2e import start_ray
 
     run_dir = tmp_path / "run"
@@ -152,15 +152,15 @@ def test_lora_checkpoint_resume_and_merged_export(tiny_model_dir, tmp_path):
     assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
     # the merged model in vLLM scores like base + adapter in the learner at step 4
     from agentrl.config import EngineConfig, LoRAConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.learners.torch_learner import TorchLearner
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from agentrl.learner.torch_learner import TorchLearner
 
     cfg = load_config(None, base)
     learner = TorchLearner(cfg)
     learner.load(run_dir / "checkpoints" / "step_000004" / "learner")
     assert learner.version == 4
     fixed = list(range(5, 45))
-    from agentrl.trajectory import Trajectory
+    from agentrl.rollout.trajectory import Trajectory
 
     want = learner.logprobs([Trajectory(token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40,
                                         policy_versions=[-1] * 40)])[0]
@@ -180,7 +180,7 @@ def test_lora_checkpoint_resume_and_merged_export(tiny_model_dir, tmp_path):
 
 def test_resume_with_other_lora_setting_is_a_clear_error(tiny_model_dir, tmp_path):
     """A full-fine-tuning checkpoint loaded by a LoRA learner (and the reverse) names the mismatch."""
-    from agentrl.learners.torch_learner import TorchLearner
+    from agentrl.learner.torch_learner import TorchLearner
 
     full = TorchLearner(load_config(None, [f"model.path={tiny_model_dir}"]))
     full.save(tmp_path / "full")

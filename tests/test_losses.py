@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import ConfigError, ImportanceSamplingConfig, KLConfig, LossConfig
-from agentrl.losses import (
+from agentrl.learner.losses import (
     IS_CORRECTIONS,
     KL_ESTIMATORS,
     aggregate_token_losses,

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrl.learners.megatron import attention as att
-from agentrl.learners.megatron.attention import (
+from agentrl.learner.megatron import attention as att
+from agentrl.learner.megatron.attention import (
     AUTO_SDPA_MEAN_DOC_TOKENS,
     PackedCoreAttention,
     auto_backend,

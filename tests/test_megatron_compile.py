@@ -1,4 +1,4 @@
-"""agentrl.learners.megatron.compiled on CPU, dynamo only (a counting backend runs the traced graphs
+"""agentrl.learner.megatron.compiled on CPU, dynamo only (a counting backend runs the traced graphs
 eagerly): every micro-batch length and both grad modes fit in a fixed number of graphs per function,
 the tiled FlexAttention equals the plain one, and a hit recompile limit raises instead of running
 eagerly (the silent eager FlexAttention that OOMed the H100)."""
@@ -11,11 +11,11 @@ import torch
 from torch._dynamo.testing import CompileCounter
 from torch.nn.attention.flex_attention import flex_attention as eager_flex
 
-from agentrl.learners.megatron import compiled as C
-from agentrl.learners.megatron.attention import apply_rope
-from agentrl.learners.megatron.cp_attention import document_causal_block_mask
-from agentrl.learners.megatron.logprobs import _fused_dlogits, _fused_stats
-from agentrl.learners.megatron.model import _rms_norm
+from agentrl.learner.megatron import compiled as C
+from agentrl.learner.megatron.attention import apply_rope
+from agentrl.learner.megatron.cp_attention import document_causal_block_mask
+from agentrl.learner.megatron.logprobs import _fused_dlogits, _fused_stats
+from agentrl.learner.megatron.model import _rms_norm
 
 LENGTHS = (256, 384, 640, 1024)  # every one a multiple of 128, as the learner pads them
 

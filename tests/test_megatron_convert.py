@@ -15,7 +15,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from agentrl.learners.megatron.convert import (
+from agentrl.learner.megatron.convert import (
     ModelShape,
     gather_tp,
     globalize_layers,
@@ -137,7 +137,7 @@ def test_zero_copy_views_give_the_exported_weights(family: str, tied: bool) -> N
     """refit.zero_copy: the parameters gathered into one buffer (gather_parameters), described as
     strided views (megatron_to_hf(lazy=True) + describe_views) and rebuilt on the engine's side
     (unflatten_weights) equal the copying export, tensor for tensor, without a copy in the learner."""
-    from agentrl.refit import LazyReshape, describe_views, gather_parameters, unflatten_weights
+    from agentrl.weights.transports import LazyReshape, describe_views, gather_parameters, unflatten_weights
 
     cfg, hf = tiny_hf(family, tied)
     shape = ModelShape.from_hf_config(cfg)
@@ -166,7 +166,7 @@ def test_zero_copy_views_give_the_exported_weights(family: str, tied: bool) -> N
 
 
 def test_gather_parameters_keeps_values_ties_and_training() -> None:
-    from agentrl.refit import describe_views, gather_parameters
+    from agentrl.weights.transports import describe_views, gather_parameters
 
     torch.manual_seed(0)
     emb = torch.nn.Embedding(11, 6)

@@ -29,11 +29,11 @@ def _case() -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     from agentrl.config import MegatronConfig
-    from agentrl.learners.megatron.attention import make_packed_params
-    from agentrl.learners.megatron.convert import ModelShape
-    from agentrl.learners.megatron.cp_attention import all_gather_zigzag, zigzag_indices
-    from agentrl.learners.megatron.model import build_model
-    from agentrl.learners.megatron.weights import load_hf_weights
+    from agentrl.learner.megatron.attention import make_packed_params
+    from agentrl.learner.megatron.convert import ModelShape
+    from agentrl.learner.megatron.cp_attention import all_gather_zigzag, zigzag_indices
+    from agentrl.learner.megatron.model import build_model
+    from agentrl.learner.megatron.weights import load_hf_weights
 
     cfg, hf = _tiny_hf()("qwen2", tied=True)
     shape = ModelShape.from_hf_config(cfg)

@@ -28,10 +28,10 @@ def _case() -> dict[str, Any]:
     except ImportError:
         from test_megatron_convert import tiny_hf
     from agentrl.config import MegatronConfig
-    from agentrl.learners.megatron.attention import make_packed_params
-    from agentrl.learners.megatron.convert import ModelShape
-    from agentrl.learners.megatron.model import build_model
-    from agentrl.learners.megatron.weights import load_hf_weights
+    from agentrl.learner.megatron.attention import make_packed_params
+    from agentrl.learner.megatron.convert import ModelShape
+    from agentrl.learner.megatron.model import build_model
+    from agentrl.learner.megatron.weights import load_hf_weights
 
     cfg, hf = tiny_hf("qwen2")
     shape = ModelShape.from_hf_config(cfg)
@@ -116,7 +116,7 @@ def test_a_recomputed_layer_that_keeps_its_attention_runs_the_kernel_once_with_t
 
 
 def test_the_plan_recomputes_more_layers_to_keep_every_recomputed_attention() -> None:
-    from agentrl.learners.megatron.model import (
+    from agentrl.learner.megatron.model import (
         AUTO_RECOMPUTE_SHARE,
         activation_bytes_per_token,
         attention_bytes_per_token,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
+from agentrl.learner.megatron.logprobs import vocab_parallel_logprobs
 
 
 @pytest.mark.parametrize("keep_grad_logits", [False, True])

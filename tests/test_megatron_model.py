@@ -28,10 +28,10 @@ def _case(family: str, tp: int) -> dict[str, Any]:
     tiny_hf = _tiny_hf()
 
     from agentrl.config import MegatronConfig
-    from agentrl.learners.megatron.convert import ModelShape
-    from agentrl.learners.megatron.logprobs import vocab_parallel_logprobs
-    from agentrl.learners.megatron.model import build_model
-    from agentrl.learners.megatron.weights import gather_hf_weights, load_hf_weights
+    from agentrl.learner.megatron.convert import ModelShape
+    from agentrl.learner.megatron.logprobs import vocab_parallel_logprobs
+    from agentrl.learner.megatron.model import build_model
+    from agentrl.learner.megatron.weights import gather_hf_weights, load_hf_weights
 
     cfg, hf = tiny_hf(family, tied=family != "llama")
     shape = ModelShape.from_hf_config(cfg)
@@ -62,7 +62,7 @@ def _forward_matches_hf(model: Any, cfg: Any, hf: dict) -> tuple[float, float]:
     """Packed forward (2 documents, SDPA core attention on CPU) and one gradient against HF."""
     from transformers import AutoModelForCausalLM
 
-    from agentrl.learners.megatron.attention import make_packed_params
+    from agentrl.learner.megatron.attention import make_packed_params
 
     ref_model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
     ref_model.load_state_dict(hf, strict=False)  # tied models have no lm_head.weight entry
@@ -96,7 +96,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
 
 @pytest.mark.parametrize("family,tp", [("qwen2", 2), ("llama", 2), ("qwen3", 2)])
 def test_megatron_model_shards_load_and_gather_bit_exact(results: list[dict], family: str, tp: int) -> None:
-    from agentrl.learners.megatron.convert import ModelShape
+    from agentrl.learner.megatron.convert import ModelShape
 
     tiny_hf = _tiny_hf()
 
@@ -112,8 +112,8 @@ def test_megatron_model_shards_load_and_gather_bit_exact(results: list[dict], fa
 
 def test_layer_spec_passes_flex_expand_kv() -> None:
     from agentrl.config import MegatronConfig
-    from agentrl.learners.megatron.convert import ModelShape
-    from agentrl.learners.megatron.model import layer_spec
+    from agentrl.learner.megatron.convert import ModelShape
+    from agentrl.learner.megatron.model import layer_spec
 
     shape = ModelShape.from_hf_config(_tiny_hf()("qwen2", tied=True)[0])
     for expand in (False, True):
@@ -124,7 +124,7 @@ def test_layer_spec_passes_flex_expand_kv() -> None:
 
 def test_auto_attention_is_flex_under_cuda_graphs() -> None:
     from agentrl.config import MegatronConfig
-    from agentrl.learners.megatron.model import core_attention
+    from agentrl.learner.megatron.model import core_attention
 
     # a graph replays the kernel it captured: auto's per-micro-batch choice cannot run there
     assert core_attention(MegatronConfig(cuda_graphs=True)) == "flex"

@@ -20,7 +20,7 @@ def shape_1p5b() -> Any:
     """The Qwen2.5-1.5B shape the H200 figures were measured at."""
     from transformers import Qwen2Config
 
-    from agentrl.learners.megatron.convert import ModelShape
+    from agentrl.learner.megatron.convert import ModelShape
 
     return ModelShape.from_hf_config(Qwen2Config(
         vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
@@ -37,11 +37,11 @@ def _case() -> dict[str, Any]:
     except ImportError:
         from test_megatron_convert import tiny_hf
     from agentrl.config import MegatronConfig
-    from agentrl.learners.megatron import model as model_mod
-    from agentrl.learners.megatron.attention import make_packed_params
-    from agentrl.learners.megatron.convert import ModelShape
-    from agentrl.learners.megatron.model import build_model
-    from agentrl.learners.megatron.weights import load_hf_weights
+    from agentrl.learner.megatron import model as model_mod
+    from agentrl.learner.megatron.attention import make_packed_params
+    from agentrl.learner.megatron.convert import ModelShape
+    from agentrl.learner.megatron.model import build_model
+    from agentrl.learner.megatron.weights import load_hf_weights
 
     cfg, hf = tiny_hf("qwen2")
     shape = ModelShape.from_hf_config(cfg)
@@ -204,7 +204,7 @@ def test_recompute_above_tokens_turns_auto_cuda_graphs_off_only_where_graphs_wou
 
 
 def test_auto_recomputes_where_the_estimated_activations_exceed_the_free_memory() -> None:
-    from agentrl.learners.megatron.model import (
+    from agentrl.learner.megatron.model import (
         AUTO_RECOMPUTE_SHARE,
         activation_bytes_per_token,
         layers_to_recompute,

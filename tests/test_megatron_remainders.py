@@ -1,4 +1,4 @@
-"""fp32 master weights as bf16 + int16 remainders (agentrl/learners/megatron/remainders.py): the
+"""fp32 master weights as bf16 + int16 remainders (agentrl/learner/megatron/remainders.py): the
 encoding is exact for every bit pattern, the step is torch's fused AdamW over the true masters
 bit for bit, and the optimizer wiring keeps Megatron's reads and writes of the masters working.
 The real DistributedOptimizer needs CUDA tensors: the GPU run is tools/megatron_check.py
@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.learners.megatron.remainders import (
+from agentrl.learner.megatron.remainders import (
     RemainderStep,
     join_master,
     split_master,
@@ -208,7 +208,7 @@ def test_use_remainders_refuses_what_it_cannot_keep_exact():
 
 
 def test_memory_report_counts_the_remainders_as_master_weights():
-    from agentrl.learners.common import memory_breakdown
+    from agentrl.learner.common import memory_breakdown
 
     d = _StandInDistributedOptimizer([(256, 64), (1000,)])
     before = memory_breakdown([], d, {}, torch.device("cpu"))["master_weights"]

@@ -1,4 +1,4 @@
-"""torch.distributed for a learner of one process (agentrl/learners/megatron/solo.py), on CPU.
+"""torch.distributed for a learner of one process (agentrl/learner/megatron/solo.py), on CPU.
 
 Each collective of the solo group is checked against gloo's result for a group of the same one
 process (the reference: a real backend doing the real collective) and against its definition;
@@ -15,8 +15,8 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.learners.megatron import parallel
-from agentrl.learners.megatron.solo import BACKEND, SoloProcessGroup
+from agentrl.learner.megatron import parallel
+from agentrl.learner.megatron.solo import BACKEND, SoloProcessGroup
 
 
 @pytest.fixture(scope="module")

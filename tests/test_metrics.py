@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 from agentrl.config import ConfigError, WandbConfig, load_config
-from agentrl.metrics import MetricsLogger, read_metrics
+from agentrl.driver.metrics import MetricsLogger, read_metrics
 from tests.wandb_files import offline_runs, read_offline_run
 
 pytest.importorskip("wandb", reason="the wandb extra")  # installed by scripts/setup_venv.sh
@@ -85,7 +85,7 @@ def test_wandb_settings_without_enabled_warn(tmp_path):
 def test_a_missing_wandb_package_is_a_config_error(monkeypatch):
     import importlib.util
 
-    from agentrl.metrics import require_wandb
+    from agentrl.driver.metrics import require_wandb
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))

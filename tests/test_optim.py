@@ -1,4 +1,4 @@
-"""agentrl.optim: AdamW on the fused kernel where the parameters live on a GPU (fuse_adamw). The
+"""agentrl.learner.optim: AdamW on the fused kernel where the parameters live on a GPU (fuse_adamw). The
 switch must leave the update as it was and drop the multi-tensor step's parameter-sized temporary;
 the GPU test measures that temporary with the allocator's peak."""
 
@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from agentrl.optim import adamw, fuse_adamw, torch_optimizers
+from agentrl.learner.optim import adamw, fuse_adamw, torch_optimizers
 
 
 def _params(seed: int, shapes=((64, 33), (33,), (7, 5, 3))) -> list[torch.nn.Parameter]:

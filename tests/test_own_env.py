@@ -13,7 +13,7 @@ import pytest
 
 from agentrl.cli import main
 from agentrl.config import ConfigError, load_config
-from agentrl.env_ids import check_env, env_module_path, import_env_module, split_env_id
+from agentrl.env.ids import check_env, env_module_path, import_env_module, split_env_id
 
 from .test_envs_readme_example import readme_example
 

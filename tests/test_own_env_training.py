@@ -43,7 +43,7 @@ def test_cluster_nodes_get_the_env_module_through_the_runtime_env(tiny_model_dir
     import ray
     from ray.cluster_utils import Cluster
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     project = tmp_path / "project"
     project.mkdir()

@@ -1,4 +1,4 @@
-"""Bin packing, packed tensors and micro-batches (agentrl/packing.py)."""
+"""Bin packing, packed tensors and micro-batches (agentrl/learner/packing.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.packing import (
+from agentrl.learner.packing import (
     PACKERS,
     PackedBatch,
     _mffd_only,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from agentrl.config import ConfigError, load_config
-from agentrl.progress import parse_progress_line
+from agentrl.driver.progress import parse_progress_line
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +46,7 @@ def read_rows(run_dir):
 
 
 def test_missing_model_path_fails_before_any_actor(tmp_path):
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     cfg = load_config(None, [f"model.path={tmp_path / 'nope'}"])
     with pytest.raises(ConfigError, match="model.path"):
@@ -204,7 +204,7 @@ def test_engine_killed_mid_run_training_continues(tiny_model_dir, tmp_path):
     taking work, episodes it was serving are dropped and counted, and training finishes."""
     import ray
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     run_dir = tmp_path / "run"
     steps_total = 20  # a step takes ~0.5 s here: the kill must land while training has work left
@@ -251,8 +251,8 @@ def train_and_score(cfg, extra=None) -> dict:
     ``extra(trainer)``'s items when given (measured after the run, before shutdown)."""
     import ray
 
-    from agentrl.trainer import Trainer
-    from agentrl.trajectory import Trajectory
+    from agentrl.driver.trainer import Trainer
+    from agentrl.rollout.trajectory import Trajectory
 
     fixed = list(range(5, 45))
     start_ray()
@@ -313,7 +313,7 @@ def test_deterministic_runs_train_on_the_same_batches_at_any_concurrency(tiny_mo
     import ray
     from safetensors.torch import load_file
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     def run(name, *extra):
         cfg = load_config(None, e2e_overrides(tiny_model_dir, tmp_path / name, "train.num_steps=2",

@@ -1,4 +1,4 @@
-"""Training progress: plain lines where no terminal watches (agentrl/progress.py).
+"""Training progress: plain lines where no terminal watches (agentrl/driver/progress.py).
 
 A real run's captured output is read in tests/test_pipeline_e2e.py (test_interrupt_and_resume_continues)."""
 
@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from agentrl.progress import TrainProgress, parse_progress_line
+from agentrl.driver.progress import TrainProgress, parse_progress_line
 
 METRICS = {"rollout/reward": 0.4149, "rollout/success": 0.375, "rollout/tool_use_rate": 0.75,
            "rollout/tokens_per_s": 812.3, "replay/staleness_max": 1.0, "train/loss": 0.0123}
@@ -53,7 +53,7 @@ def test_other_lines_are_not_progress(line):
 
 
 def test_eta_follows_the_pace_of_this_run(monkeypatch):
-    import agentrl.progress as progress
+    import agentrl.driver.progress as progress
 
     clock = iter([0.0, 0.0, 10.0, 20.0])  # __init__, __enter__, step 1, step 2
     monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))

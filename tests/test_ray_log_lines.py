@@ -2,7 +2,7 @@
 
 * Ray's "Token authentication is enabled for this Ray cluster" warning: a new local cluster turns
   token auth on by default and says so unless ``RAY_AUTH_MODE`` names the mode before Ray is
-  imported (``agentrl.pipeline`` names it: ``token``, the same secure default).
+  imported (``agentrl.driver.pipeline`` names it: ``token``, the same secure default).
 * core_worker's ``E`` line "has constructor arguments in the object store and max_restarts > 0":
   a restartable engine actor given the replay actor's *handle* (an inlined reference); the
   trainer now passes the replay actor's name.
@@ -32,7 +32,7 @@ SCRIPT = textwrap.dedent("""
     wiring = sys.argv[1]
     if wiring == "trainer":
         from agentrl.config import load_config
-        from agentrl.pipeline import _explicit_ray_auth_mode
+        from agentrl.driver.pipeline import _explicit_ray_auth_mode
         _explicit_ray_auth_mode(load_config(None))
     import ray
     from agentrl.actors.engine import EngineActor

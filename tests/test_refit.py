@@ -1,4 +1,4 @@
-"""Weight transports (agentrl/refit.py): flat-buffer layout, transport choice, and the broadcast
+"""Weight transports (agentrl/weights/transports.py): flat-buffer layout, transport choice, and the broadcast
 protocol between a learner and engine workers over a process group of its own (gloo on CPU)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import ConfigError, load_config
-from agentrl.refit import (
+from agentrl.weights.transports import (
     FlatSpec,
     WeightGroup,
     flatten_weights,
@@ -149,7 +149,7 @@ def test_broadcast_protocol_over_gloo_reaches_every_worker_bit_exact():
 
 
 def test_plain_allocations_is_a_no_op_when_off():
-    from agentrl.refit import plain_allocations
+    from agentrl.weights.transports import plain_allocations
 
     with plain_allocations(False):  # no CUDA needed: nothing is switched
         x = torch.ones(3)
@@ -167,7 +167,7 @@ def test_a_buffer_made_under_plain_allocations_is_a_plain_segment_another_proces
     code = r'''
 import pickle, subprocess, sys
 import torch
-from agentrl.refit import ipc_handle, plain_allocations
+from agentrl.weights.transports import ipc_handle, plain_allocations
 torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 before = torch.ones(8 * 2**20, device="cuda")  # 32 MiB in an expandable segment
 with plain_allocations():
@@ -181,7 +181,7 @@ def segment_of(t):
             return seg
 kinds = [bool(segment_of(t).get("is_expandable")) for t in (before, buf, after)]
 assert kinds == [True, False, True], kinds
-child = "import pickle, sys, torch; from agentrl.refit import open_ipc_handle; " \
+child = "import pickle, sys, torch; from agentrl.weights.transports import open_ipc_handle; " \
         "t = open_ipc_handle(sys.stdin.buffer.read()); print(float(t[-1]), t.numel())"
 out = subprocess.run([sys.executable, "-c", child], input=ipc_handle(buf), capture_output=True, check=True)
 assert out.stdout.split() == [str(float(4 * 2**20 - 1)).encode(), str(4 * 2**20).encode()], out
@@ -199,7 +199,7 @@ def test_readers_guard_holds_the_optimizer_step_until_the_release() -> None:
     import threading
     import time as _time
 
-    from agentrl.refit import ReadersGuard
+    from agentrl.weights.transports import ReadersGuard
 
     guard = ReadersGuard(timeout_s=5.0)
     assert guard.wait() < 0.5  # nothing being read
@@ -229,7 +229,7 @@ def test_zero_copy_refit_another_process_reads_the_parameters_in_place():
     code = r'''
 import subprocess, sys
 import torch
-from agentrl.refit import LazyReshape, describe_views, gather_parameters, ipc_handle, plain_allocations
+from agentrl.weights.transports import LazyReshape, describe_views, gather_parameters, ipc_handle, plain_allocations
 torch.cuda.memory._set_allocator_settings("expandable_segments:True")
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 64)).cuda().to(torch.bfloat16)
@@ -237,12 +237,12 @@ with plain_allocations():
     buf = gather_parameters(model)
 views = {"a.weight": model[0].weight, "a.bias": model[0].bias, "b.weight_t": LazyReshape(model[1].weight.t(), (96, 64))}
 spec = describe_views(buf, views)
-from agentrl.refit import spec_to_bytes
+from agentrl.weights.transports import spec_to_bytes
 import pickle
 torch.cuda.synchronize()
 child = r"""
 import pickle, sys, torch
-from agentrl.refit import open_ipc_handle, spec_from_bytes, unflatten_weights
+from agentrl.weights.transports import open_ipc_handle, spec_from_bytes, unflatten_weights
 handle, spec = pickle.loads(sys.stdin.buffer.read())
 buf = open_ipc_handle(handle)
 print(" ".join(f"{n}:{float(t.float().sum()):.4f}:{tuple(t.shape)}".replace(" ", "") for n, t in unflatten_weights(buf, spec_from_bytes(spec))))

@@ -1,4 +1,4 @@
-"""The open registries (agentrl/registry.py): register, duplicates, did-you-mean, ``module:name``
+"""The open registries (agentrl/config/registry.py): register, duplicates, did-you-mean, ``module:name``
 imports and their errors, and the three config keys that select from them."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import textwrap
 import pytest
 
 from agentrl.config import ConfigError, load_config
-from agentrl.registry import (
+from agentrl.config.registry import (
     ADVANTAGE_ESTIMATORS,
     LEARNERS,
     LOSSES,
@@ -105,7 +105,7 @@ def test_built_ins_are_registered_lazily_with_their_traits():
     assert LEARNERS.names() == ["torch", "megatron"]
     assert LEARNERS.meta("megatron")["distributed"] and not LEARNERS.meta("torch")["distributed"]
     assert LEARNERS.meta("torch")["lora"] and not LEARNERS.meta("megatron")["lora"]
-    from agentrl.losses import compute_policy_loss
+    from agentrl.learner.losses import compute_policy_loss
 
     assert LOSSES["ppo"] is compute_policy_loss
     reg = Registry("thing", "thing.type")
@@ -117,7 +117,7 @@ def test_built_ins_are_registered_lazily_with_their_traits():
 
 def test_module_name_resolves_what_the_module_registers_or_defines(tmp_path, monkeypatch):
     mod = user_module(tmp_path, monkeypatch, "user_losses", """
-        from agentrl.losses import register_loss
+        from agentrl.learner.losses import register_loss
 
         @register_loss("registered_name")
         def some_function(logprobs, prox, behavior, adv, mask, cfg, **kw):

@@ -7,8 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from agentrl.replay import ReplayQueue
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.replay.queue import ReplayQueue
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 
 def make_group(gid: int, version: int, length: int = 10) -> TrajectoryGroup:

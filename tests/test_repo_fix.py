@@ -6,7 +6,7 @@ import random
 
 import gymnasium
 import pytest
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from agentrl.envs.repo_fix import BUG_FAMILIES, FUNCTIONS, RepoFixEnv, expert, make_task, task_of_seed
 
 
@@ -145,8 +145,8 @@ def test_repofix_cpu_recipe_and_its_probe_see_what_reset_gives():
     from pathlib import Path
 
     from agentrl.config import load_config
-    from agentrl.env_ids import check_env
-    from agentrl.tool_calls import ToolCallParser
+    from agentrl.env.ids import check_env
+    from agentrl.rollout.tool_calls import ToolCallParser
 
     root = Path(__file__).resolve().parents[1]
     cfg = load_config(root / "configs" / "repofix_cpu.yaml")

@@ -9,11 +9,11 @@ import gymnasium as gym
 import pytest
 
 import agentrl.envs  # noqa: F401  (registers the built-in envs)
-from agentrl.chat import ChatRenderer
+from agentrl.rollout.chat import ChatRenderer
 from agentrl.config import RolloutConfig
 from agentrl.envs.base import set_tool_parser
-from agentrl.rollout import run_episode
-from agentrl.tool_calls import build_tool_parser
+from agentrl.rollout.episode import run_episode
+from agentrl.rollout.tool_calls import build_tool_parser
 
 RESULT = {"qwen2": "<tool_response>\n{}\n</tool_response>", "qwen3": "<tool_response>\n{}\n</tool_response>",
           "llama3": "<|start_header_id|>ipython<|end_header_id|>\n\n{}<|eot_id|>", "mistral": "[TOOL_RESULTS]{}[/TOOL_RESULTS]"}

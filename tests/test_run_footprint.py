@@ -13,7 +13,7 @@ def test_started_ray_keeps_at_most_max_task_events():
     import ray
     from ray._private.state import state
 
-    from agentrl.trainer import ray_init_kwargs
+    from agentrl.driver.trainer import ray_init_kwargs
 
     ray.init(**ray_init_kwargs(num_cpus=1, max_task_events=50))
     try:
@@ -34,7 +34,7 @@ def test_started_ray_keeps_at_most_max_task_events():
 
 
 def test_trainer_starts_ray_with_the_config_bound(tiny_model_dir, tmp_path, monkeypatch):
-    import agentrl.trainer as trainer_mod
+    import agentrl.driver.trainer as trainer_mod
 
     seen = {}
 
@@ -65,7 +65,7 @@ def test_worker_niceness_sets_the_actors_priority(niceness):
 
     import ray
 
-    from agentrl.trainer import ray_init_kwargs
+    from agentrl.driver.trainer import ray_init_kwargs
 
     ray.init(**ray_init_kwargs(num_cpus=1, worker_niceness=niceness))
     try:
@@ -89,7 +89,7 @@ def test_max_task_events_must_be_positive():
 
 
 def test_shutdown_removes_the_engines_compile_cache(tiny_model_dir, tmp_path):
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     cfg = load_config(None, [f"model.path={tiny_model_dir}", f"run_dir={tmp_path / 'run'}", "sft.enabled=false"])
     trainer = Trainer(cfg, progress=False)

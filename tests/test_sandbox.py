@@ -26,7 +26,7 @@ from agentrl.envs.sandbox import BwrapUnavailableError
 from hypothesis import given
 from hypothesis import strategies as st
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 
 LIMITS = SandboxLimits(cpu_time_s=1, wall_time_s=2.0, memory_mb=256, max_output_bytes=4096)
 ESCAPE = os.path.join(tempfile.gettempdir(), "agentrl-sandbox-escape-test.txt")

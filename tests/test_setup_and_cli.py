@@ -52,7 +52,7 @@ def test_config_reference_is_generated():
 def test_bootstrap_tiny_model_and_template(tiny_model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.chat import format_tool_call
+    from agentrl.rollout.chat import format_tool_call
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     assert type(model).__name__ == "Qwen2ForCausalLM"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from agentrl.config import ImportanceSamplingConfig, LossConfig
 from agentrl.docs import code_blocks
-from agentrl.losses import compute_policy_loss
+from agentrl.learner.losses import compute_policy_loss
 from agentrl.testing import (
     check_clipping,
     check_importance_weights,

@@ -1,4 +1,4 @@
-"""The tiny model's induction pre-stage (agentrl.tiny.pretrain_induction): its data and that it
+"""The tiny model's induction pre-stage (agentrl.model.tiny.pretrain_induction): its data and that it
 gives a random model the copy skill."""
 
 import random
@@ -6,7 +6,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentrl.tiny import induction_batch
+from agentrl.model.tiny import induction_batch
 
 
 @settings(max_examples=50, deadline=None)
@@ -28,10 +28,10 @@ def test_every_scored_token_is_a_copy_of_the_token_one_block_back(seed, batch_to
 def test_a_random_model_learns_to_copy_a_repeated_block(tmp_path):
     import torch
 
-    from agentrl.learners.hf_forward import packed_token_logprobs
-    from agentrl.models import load_hf_model
-    from agentrl.packing import pack_sequences
-    from agentrl.tiny import bootstrap_tiny, pretrain_induction
+    from agentrl.learner.hf_forward import packed_token_logprobs
+    from agentrl.model.loading import load_hf_model
+    from agentrl.learner.packing import pack_sequences
+    from agentrl.model.tiny import bootstrap_tiny, pretrain_induction
     from transformers import AutoTokenizer
 
     path = bootstrap_tiny(tmp_path / "m", hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1,
@@ -59,8 +59,8 @@ def test_a_cached_tiny_model_made_with_other_induction_steps_is_refused(tmp_path
     import pytest
 
     from agentrl.config import ConfigError, load_config
-    from agentrl.tiny import tiny_stamp
-    from agentrl.models import resolve_model_path
+    from agentrl.model.tiny import tiny_stamp
+    from agentrl.model.loading import resolve_model_path
 
     args = [f"model.path={tmp_path / 'm'}", "model.bootstrap_tiny=true", "model.tiny.hidden_size=32",
             "model.tiny.num_heads=1", "model.tiny.num_kv_heads=1"]

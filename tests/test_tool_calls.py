@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import ConfigError, load_config
-from agentrl.tool_calls import (
+from agentrl.rollout.tool_calls import (
     FORMATTED_PARSERS,
     ToolCall,
     ToolCallParser,
@@ -31,7 +31,7 @@ def test_registry_read_without_importing_vllm():
     import subprocess
     import sys
 
-    code = ("import sys; from agentrl.tool_calls import known_parser_names; n = known_parser_names(); "
+    code = ("import sys; from agentrl.rollout.tool_calls import known_parser_names; n = known_parser_names(); "
             "assert 'vllm' not in sys.modules, 'vllm imported'; print(len(n), 'hermes' in n, 'llama3_json' in n)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     count, *flags = out.split()

@@ -26,7 +26,7 @@ def test_the_diagnostics_left_bench():
 def test_the_slow_env_of_the_async_benchmark_imports_by_its_id(monkeypatch):
     import gymnasium
 
-    from agentrl.env_ids import env_module_path, import_env_module
+    from agentrl.env.ids import env_module_path, import_env_module
 
     monkeypatch.chdir(REPO)
     name = import_env_module("tools.slow_envs:SlowCalculator-v0")

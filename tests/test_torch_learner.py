@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from agentrl.config import Config
-from agentrl.learners.torch_learner import TorchLearner
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.learner.torch_learner import TorchLearner
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 
 def _group(rewards: list[float], seed: int) -> TrajectoryGroup:
@@ -46,7 +46,7 @@ def test_tied_rewards_leave_the_weights_alone_even_with_adam_momentum(tiny_model
 
 def test_tied_groups_are_skipped_without_changing_the_step(tiny_model_dir, monkeypatch):
     """Dropping zero-advantage samples before the passes gives the same update as keeping them."""
-    import agentrl.learners.torch_learner as tl
+    import agentrl.learner.torch_learner as tl
 
     cfg = Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3}})
     groups = [_group([1.0, 0.0, 0.0, 1.0], 0), _group([1.0] * 4, 1), _group([0.0, 1.0, 1.0, 1.0], 2)]
@@ -68,7 +68,7 @@ def test_proximal_logprobs_are_the_training_pass_own(tiny_model_dir, monkeypatch
     """Under ``proximal: recompute`` the loss gets, as pi_prox, exactly what a separate no-grad
     pass over the same micro-batch under the pre-step weights gives (one optimizer step per
     batch), so the learner saves that pass."""
-    import agentrl.learners.torch_learner as tl
+    import agentrl.learner.torch_learner as tl
 
     cfg = Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3},
                                  "packing": {"max_tokens_per_microbatch": 64}, "rollout": {"max_total_tokens": 64}})
@@ -94,7 +94,7 @@ def test_proximal_logprobs_are_the_training_pass_own(tiny_model_dir, monkeypatch
 
 
 def test_memory_breakdown_names_what_holds_the_learners_memory(tiny_model_dir):
-    from agentrl.learners.common import learner_memory
+    from agentrl.learner.common import learner_memory
 
     groups = [_group([1.0, 0.0, 0.0, 1.0], 0)]
     full = TorchLearner(Config.model_validate({"model": {"path": tiny_model_dir}, "learner": {"lr": 1e-3}}))
@@ -123,7 +123,7 @@ def test_memory_breakdown_names_what_holds_the_learners_memory(tiny_model_dir):
 
 
 def test_peaks_by_phase_are_a_no_op_without_cuda():
-    from agentrl.learners.common import PeakByPhase
+    from agentrl.learner.common import PeakByPhase
 
     peaks = PeakByPhase()
     with peaks.phase("optimizer"):
@@ -134,7 +134,7 @@ def test_peaks_by_phase_are_a_no_op_without_cuda():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_peaks_by_phase_keep_each_phases_own_peak_and_the_runs(tiny_model_dir):
-    from agentrl.learners.common import PEAKS, PeakByPhase, learner_memory
+    from agentrl.learner.common import PEAKS, PeakByPhase, learner_memory
 
     mib = 2**20
     peaks = PeakByPhase()

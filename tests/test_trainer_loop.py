@@ -17,7 +17,7 @@ import pytest
 import ray
 
 from agentrl.config import load_config
-from agentrl.trajectory import Trajectory, TrajectoryGroup
+from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
 REFIT_S = 0.3  # how long a stand-in engine takes to load weights
 STEP_S = 0.1  # how long a stand-in learner step takes
@@ -120,7 +120,7 @@ def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = Fal
          driver_delay_s: float = 0.0, checkpoint_interval: int = 0) -> tuple[list, list, list[dict], list[float]]:
     from agentrl.actors.replay import ReplayActor
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     cfg = load_config(None, [
         f"run_dir={tmp_path / f'run{max_staleness}-{overlap}'}", f"replay.max_staleness={max_staleness}",
@@ -136,7 +136,7 @@ def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = Fal
     trainer.actors_started = True
     assert trainer.overlap_steps() is overlap
     if driver_delay_s:  # a slow driver (logging, metrics): the learner should not wait for it
-        import agentrl.trainer as trainer_module
+        import agentrl.driver.trainer as trainer_module
 
         summarize = trainer_module.summarize
 
@@ -220,7 +220,7 @@ def test_a_colocated_engine_that_cannot_wake_gets_a_diagnosis() -> None:
     what the learner holds, and the settings that make room; any other failure passes through."""
     from types import SimpleNamespace
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/gpu_1x.yaml", ["engine.gpu_memory_utilization=0.5"])
     me = SimpleNamespace(cfg=cfg)
@@ -238,7 +238,7 @@ def test_a_colocated_engine_that_cannot_wake_gets_a_diagnosis() -> None:
     err = Trainer._wake_failure(me, start, {"reserved_gib": 31.5})
     assert isinstance(err, RuntimeError) and "a restarted engine could not start" in str(err) and "31.5 GiB" in str(err)
     # the watchdog's stop keeps its report and its exit status (3), whatever stacks it quotes
-    from agentrl.watchdog import RunStalled
+    from agentrl.driver.watchdog import RunStalled
 
     stalled = RunStalled("waiting for engine0.wake_up ... stacks: _alloc (torch out of memory handler)")
     assert Trainer._wake_failure(me, stalled, {"reserved_gib": 31.5}) is stalled

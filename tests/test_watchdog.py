@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agentrl.config import ConfigError, WatchdogConfig, load_config
-from agentrl.watchdog import ActorReport, Deadlines, format_report, py_spy_dump, thread_stacks
+from agentrl.driver.watchdog import ActorReport, Deadlines, format_report, py_spy_dump, thread_stacks
 
 
 @given(st.lists(st.floats(0.0, 1e4), max_size=80), st.floats(0.1, 100), st.floats(1, 20))
@@ -128,7 +128,7 @@ def test_a_stall_recovers_or_stops_with_the_report(ray_local, tmp_path):
     from tests.watchdog_actors import Worker
 
     from agentrl.actors.watchdog import Watchdog
-    from agentrl.watchdog import RunStalled
+    from agentrl.driver.watchdog import RunStalled
 
     w = Worker.remote()
     ray.get(w.ping.remote())
@@ -159,8 +159,8 @@ def test_a_long_evaluation_that_samples_is_not_a_stall(ray_local, tmp_path):
     from tests.watchdog_actors import Sampler
 
     from agentrl.actors.watchdog import Watchdog
-    from agentrl.supervision import Supervision
-    from agentrl.watchdog import RunStalled
+    from agentrl.driver.supervision import Supervision
+    from agentrl.driver.watchdog import RunStalled
 
     class Driver(Supervision):  # the Trainer's state that the eval wait reads
         def __init__(self, engines, watchdog):
@@ -188,7 +188,7 @@ def test_a_healthy_slow_run_raises_no_alarm(tiny_model_dir, tmp_path):
     settings (floor 5 s, 4x the recent 0.9 quantile): deadlines follow the run, none fires."""
     import ray
 
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
     from tests.test_pipeline_e2e import e2e_overrides, read_rows, start_ray
 
     run_dir = tmp_path / "run"
@@ -238,7 +238,7 @@ def test_a_sigterm_dropped_inside_a_finalizer_still_stops_the_loop():
     # it at the next step (a SIGTERM test of a whole run once trained on to the end this way).
     import gc
 
-    from agentrl.supervision import Supervision
+    from agentrl.driver.supervision import Supervision
 
     sup = Supervision()
     sup._take_sigterm()

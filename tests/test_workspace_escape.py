@@ -20,7 +20,7 @@ import pytest
 from agentrl.envs.repo_fix import MARKER, RepoFixEnv, expert
 from agentrl.envs.workspace import Workspace, WorkspaceLimits, make_tar
 
-from agentrl.chat import format_tool_call
+from agentrl.rollout.chat import format_tool_call
 from tests.proc_helpers import ns_members
 
 SECRET = secrets.token_hex(16)

@@ -24,7 +24,7 @@ def test_killed_actor_leaves_no_workspace_process():
                 import agentrl.envs  # noqa: F401
                 import gymnasium
 
-                from agentrl.chat import format_tool_call
+                from agentrl.rollout.chat import format_tool_call
 
                 self.envs = [gymnasium.make("agentrl/RepoFix-v0") for _ in seeds]
                 namespaces = []

@@ -31,9 +31,9 @@ def main() -> None:
 
     from transformers import AutoTokenizer
 
-    from agentrl.chat import parse_tool_calls
+    from agentrl.rollout.chat import parse_tool_calls
     from agentrl.envs.calculator import EASY_SHAPES, CalculatorEnv
-    from agentrl.evaluate import run_episodes
+    from agentrl.driver.evaluate import run_episodes
 
     trajs = asyncio.run(run_episodes(args.model, "agentrl/Calculator-v0", args.episodes, args.seed_offset,
                                      args.temperature, {"max_new_tokens": 40, "max_turns": 3, "max_total_tokens": 512}))

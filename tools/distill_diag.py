@@ -42,8 +42,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.distill import check_teacher
-    from agentrl.evaluate import run_episodes
+    from agentrl.learner.distill import check_teacher
+    from agentrl.driver.evaluate import run_episodes
 
     check_teacher(args.teacher, args.student)
     trajs = asyncio.run(run_episodes(args.student, "agentrl/Calculator-v0", args.episodes, args.seed_offset,

@@ -20,8 +20,8 @@ Qwen2.5-1.5B-shaped checkpoint written to ``--workdir``; LoRA rank ``--rank`` on
 PEFT, as ``learner.lora`` trains it), to see where a LoRA step's time goes against full fine-tuning's
 (the LoRA learner once processed 13 % fewer tokens/s than full fine-tuning at 1.5B);
 ``torch_lora_peft`` is LoRA through PEFT's own layer forward instead of agentrl's fused one
-(``agentrl.lora.fuse_adapters``), ``torch_lora_autograd`` the fused forward with autograd's backward
-instead of the fused one (``agentrl.lora.FUSED_BACKWARD``). Every variant also lists its longest GPU
+(``agentrl.learner.lora.fuse_adapters``), ``torch_lora_autograd`` the fused forward with autograd's backward
+instead of the fused one (``agentrl.learner.lora.FUSED_BACKWARD``). Every variant also lists its longest GPU
 kernels (total time per step):
 
     python tools/learner_step.py --variants torch_full,torch_lora_peft,torch_lora --out learner_step_lora.json
@@ -52,7 +52,7 @@ RANGES = ("agentrl.microbatch", "agentrl.loss", "agentrl.forward_backward", "age
 
 
 def make_groups(rng: random.Random, args: argparse.Namespace, version: int) -> list:
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     groups = []
     for g in range(args.groups):
@@ -140,10 +140,10 @@ def main() -> None:
 
     from transformers import Qwen2Config
 
-    import agentrl.lora
+    import agentrl.learner.lora
     from agentrl.config import load_config
-    from agentrl.learners.megatron.learner import MegatronLearner
-    from agentrl.learners.torch_learner import TorchLearner
+    from agentrl.learner.megatron.learner import MegatronLearner
+    from agentrl.learner.torch_learner import TorchLearner
 
     rng = random.Random(0)
     batches = [make_groups(rng, args, 0) for _ in range(3)]
@@ -158,8 +158,8 @@ def main() -> None:
             cfg = load_config(REPO / "configs" / "gpu_1x.yaml", [
                 *common, "learner.backend=torch", "model.dtype=bfloat16", *lora, *args.set])
             learner = TorchLearner(cfg, model_path=torch_model(Path(args.workdir), Qwen2Config(**QWEN25_15B)), device="cuda")
-            agentrl.lora.FUSED_BACKWARD = variant != "torch_lora_autograd"
-            if variant == "torch_lora_peft":  # undo agentrl.lora.fuse_adapters: PEFT's class again
+            agentrl.learner.lora.FUSED_BACKWARD = variant != "torch_lora_autograd"
+            if variant == "torch_lora_peft":  # undo agentrl.learner.lora.fuse_adapters: PEFT's class again
                 for module in learner.model.modules():
                     if type(module).__name__ == "FusedLoraLinear":
                         module.__class__ = type(module).__mro__[1]

@@ -29,10 +29,10 @@ def probe(model_path: str, env_kwargs: dict[str, Any], episodes: int, seed_offse
     from agentrl.envs.long_needle import CODE_WORDS, NOTE_WORDS, LongNeedleEnv
     from transformers import AutoTokenizer
 
-    from agentrl.chat import ChatRenderer
-    from agentrl.models import load_hf_model
-    from agentrl.sft import build_demonstrations
-    from agentrl.tool_calls import build_tool_parser
+    from agentrl.rollout.chat import ChatRenderer
+    from agentrl.model.loading import load_hf_model
+    from agentrl.driver.sft import build_demonstrations
+    from agentrl.rollout.tool_calls import build_tool_parser
 
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = load_hf_model(model_path, "float32").eval()

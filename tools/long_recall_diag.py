@@ -52,11 +52,11 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     import agentrl.envs  # noqa: F401
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
     from agentrl.config import EngineConfig, RolloutConfig
-    from agentrl.engines.vllm_engine import VLLMEngine
-    from agentrl.evaluate import _LocalClient
-    from agentrl.rollout import run_episode
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from agentrl.driver.evaluate import _LocalClient
+    from agentrl.rollout.episode import run_episode
 
     env_kwargs = json.loads(args.env_kwargs)
     cfg = RolloutConfig(max_new_tokens=32, max_turns=env_kwargs.get("num_pages", 4) + 2, max_total_tokens=16384)

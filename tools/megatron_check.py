@@ -68,7 +68,7 @@ def make_model_dir(path: Path, family: str = "qwen2") -> Path:
 
 def make_trajectories(seed: int = 0) -> list:
     """Groups of multi-turn-like trajectories: a prompt (mask 0) then sampled tokens (mask 1)."""
-    from agentrl.trajectory import Trajectory, TrajectoryGroup
+    from agentrl.rollout.trajectory import Trajectory, TrajectoryGroup
 
     rng = random.Random(seed)
     groups = []
@@ -117,8 +117,8 @@ def hf_logprobs(model_dir: Path, trajs: list, dtype: torch.dtype, temperature: f
 
 
 def check_hf(args: argparse.Namespace) -> dict:
-    from agentrl.learners.megatron.learner import MegatronLearner
-    from agentrl.learners.torch_learner import TorchLearner
+    from agentrl.learner.megatron.learner import MegatronLearner
+    from agentrl.learner.torch_learner import TorchLearner
 
     model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
     groups = make_trajectories()
@@ -128,15 +128,15 @@ def check_hf(args: argparse.Namespace) -> dict:
     temp = cfg.rollout.temperature
     ref32 = hf_logprobs(model_dir, trajs, torch.float32, temp)
     ref16 = hf_logprobs(model_dir, trajs, torch.bfloat16, temp)
-    from agentrl.learners.common import STARTUP
+    from agentrl.learner.common import STARTUP
 
     STARTUP.restart()
     learner = MegatronLearner(cfg)
     build_marks = dict(STARTUP.marks)  # where its build went (run_agentrl reports it for each run)
     mega = [torch.tensor(x) for x in learner.logprobs(trajs)]
-    from agentrl.optim import torch_optimizers
+    from agentrl.learner.optim import torch_optimizers
 
-    def fused() -> bool:  # every AdamW group on torch's fused kernel (agentrl.optim.fuse_adamw)
+    def fused() -> bool:  # every AdamW group on torch's fused kernel (agentrl.learner.optim.fuse_adamw)
         groups = [g for o in torch_optimizers(learner.optimizer) for g in o.param_groups]
         return bool(groups) and all(g.get("fused") for g in groups)
 
@@ -177,7 +177,7 @@ def check_hf(args: argparse.Namespace) -> dict:
     res["export_equals_checkpoint"] = sorted(exported) == sorted(saved) and all(
         torch.equal(exported[k], saved[k]) for k in exported)
     # zero-copy refit: the views of the parameter buffer, as the engine rebuilds them, are the export
-    from agentrl.refit import describe_views, unflatten_weights
+    from agentrl.weights.transports import describe_views, unflatten_weights
 
     buf, views = learner.export_views()
     rebuilt = dict(unflatten_weights(buf, describe_views(buf, views)))
@@ -191,9 +191,9 @@ def check_hf(args: argparse.Namespace) -> dict:
     for k in ("train/loss", "train/grad_norm"):
         res[f"megatron {k}"], res[f"torch {k}"] = m_metrics[k], t_metrics[k]
     res["megatron_metrics"] = m_metrics
-    # one process: torch.distributed without NCCL (agentrl.learners.megatron.solo), and what the
+    # one process: torch.distributed without NCCL (agentrl.learner.megatron.solo), and what the
     # driver counts for this process beyond its allocator after the steps (NCCL's buffers were here)
-    from agentrl.learners.common import PEAKS
+    from agentrl.learner.common import PEAKS
 
     res["dist_backend"] = torch.distributed.get_backend()
     res["outside_allocator_gib"] = {k: round(v, 3) for k, v in PEAKS.report().items() if k.startswith("outside_")}
@@ -201,9 +201,9 @@ def check_hf(args: argparse.Namespace) -> dict:
 
 
 def check_remainders(args: argparse.Namespace) -> dict:
-    from agentrl.learners.common import learner_memory
-    from agentrl.learners.megatron.learner import MegatronLearner
-    from agentrl.learners.megatron.remainders import split_master
+    from agentrl.learner.common import learner_memory
+    from agentrl.learner.megatron.learner import MegatronLearner
+    from agentrl.learner.megatron.remainders import split_master
 
     model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
     groups = make_trajectories()
@@ -261,7 +261,7 @@ def check_remainders(args: argparse.Namespace) -> dict:
 
 
 def check_recompute(args: argparse.Namespace) -> dict:
-    from agentrl.learners.megatron.learner import MegatronLearner
+    from agentrl.learner.megatron.learner import MegatronLearner
 
     model_dir = make_model_dir(Path(args.workdir) / "model", args.family)
     cfg = config(model_dir, attention=args.attention, recompute=args.recompute)
@@ -270,7 +270,7 @@ def check_recompute(args: argparse.Namespace) -> dict:
     learner = MegatronLearner(cfg)
     res: dict = {"recompute": args.recompute}
     if args.partial:  # auto, as if the free memory held about half the layers' activations of a full micro-batch
-        from agentrl.learners.megatron import model as model_mod
+        from agentrl.learner.megatron import model as model_mod
 
         m = learner.model
         tokens = cfg.packing.max_tokens_per_microbatch
@@ -313,7 +313,7 @@ def main() -> None:
     elif args.mode == "recompute":
         res = check_recompute(args)
     else:
-        from agentrl.learners.megatron.learner import MegatronLearner
+        from agentrl.learner.megatron.learner import MegatronLearner
 
         model_dir = Path(args.workdir) / "model"
         if int(os.environ.get("RANK", "0")) == 0:

@@ -1,6 +1,6 @@
 """Question: what makes Ray's gcs_server RSS and the run's temp dir grow when actors are killed and restarted?
 
-Starts a local Ray cluster the way the trainer does (agentrl.trainer.ray_init_kwargs, in a temp dir
+Starts a local Ray cluster the way the trainer does (agentrl.driver.trainer.ray_init_kwargs, in a temp dir
 of its own given as TMPDIR and RAY_TMPDIR, as bench/soak.py does), makes one actor with the
 engine actor's options (max_restarts=-1, max_task_retries=0, the diag concurrency group), and for
 each of ``--cycles`` cycles: makes ``--calls`` calls on it (each a Ray task, each one's events kept
@@ -69,7 +69,7 @@ def main() -> int:
     tempfile.tempdir = str(tmp)
     import ray
 
-    from agentrl.trainer import ray_init_kwargs
+    from agentrl.driver.trainer import ray_init_kwargs
 
     kw = ray_init_kwargs(num_cpus=4)
     if args.system_config is not None:
@@ -89,7 +89,7 @@ def main() -> int:
             from agentrl.actors.engine import EngineActor
 
             from agentrl.config import EngineConfig
-            from agentrl.tiny import bootstrap_tiny
+            from agentrl.model.tiny import bootstrap_tiny
 
             model = str(bootstrap_tiny(tmp / "tiny-model"))
 

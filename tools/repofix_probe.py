@@ -61,9 +61,9 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from agentrl.chat import ChatRenderer
+    from agentrl.rollout.chat import ChatRenderer
     from agentrl.config import load_config
-    from agentrl.tool_calls import build_tool_parser
+    from agentrl.rollout.tool_calls import build_tool_parser
 
     cfg = load_config(args.config, [])
     tokenizer = AutoTokenizer.from_pretrained(args.model)

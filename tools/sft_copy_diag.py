@@ -18,11 +18,11 @@ import time
 import torch
 from pathlib import Path
 from transformers import AutoTokenizer
-from agentrl.chat import ChatRenderer
-from agentrl.sft import build_demonstrations, digit_tokens
-from agentrl.learners.hf_forward import packed_token_logprobs
-from agentrl.models import load_hf_model
-from agentrl.packing import make_microbatches, pack_sequences
+from agentrl.rollout.chat import ChatRenderer
+from agentrl.driver.sft import build_demonstrations, digit_tokens
+from agentrl.learner.hf_forward import packed_token_logprobs
+from agentrl.model.loading import load_hf_model
+from agentrl.learner.packing import make_microbatches, pack_sequences
 ap = argparse.ArgumentParser()
 ap.add_argument("--model", default=".cache/tiny-model")
 ap.add_argument("--steps", type=int, default=400)

@@ -231,7 +231,7 @@ def _make_model(out: Path, shape: str, max_position_embeddings: int) -> str:
         return str(out)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from agentrl.tiny import bootstrap_tiny
+    from agentrl.model.tiny import bootstrap_tiny
 
     bootstrap_tiny(out, log=lambda *a, **k: None)  # tokenizer + chat template; the weights are replaced
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=max_position_embeddings, rope_theta=1_000_000.0,

@@ -5,7 +5,7 @@
 # process beyond its allocator; engine_memory_gib; gpu_processes_gib) under $OUT/<run>/peers.json.
 #   bash bench/peers/memory_probe.sh [solo] [copy] [expandable] [plain] [engine_expandable] [fp32_masters] [lazy] [eager] [shared] [netshared0] [object_store]
 # (default: solo copy lazy). solo: the memory setting as it is (a one-rank learner without NCCL,
-# agentrl/learners/megatron/solo.py; refit.zero_copy; learner.expandable_segments; the fp32 master
+# agentrl/learner/megatron/solo.py; refit.zero_copy; learner.expandable_segments; the fp32 master
 # weights as int16 remainders beside the bf16 weights, learner.megatron.master_weight_remainders); copy: the refit
 # through a flat export buffer (refit.zero_copy=false); expandable: the same as solo (the setting
 # has had expandable segments since 2026-11-28; before, solo had them off); plain: solo with

@@ -134,7 +134,7 @@ def run_setting(args: argparse.Namespace, wl, model: str, texts_file: str, setti
     import ray
 
     from agentrl.config import load_config
-    from agentrl.trainer import Trainer
+    from agentrl.driver.trainer import Trainer
 
     res = Result(system="agentrl", setting=setting, workload=wl.name, workload_spec=wl.__dict__.copy(),
                  versions=pinned_versions("ray", "megatron-core"))

@@ -1,3 +1,0 @@
-"""Inference engines (vLLM), imported only when an engine starts."""
-
-__all__: list[str] = []
