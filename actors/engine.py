@@ -15,8 +15,8 @@ import os
 from typing import Any
 
 import ray
-
 from agentrl.actors.watchdog import DIAG_GROUPS, AsyncDiag
+
 from agentrl.config import EngineConfig
 
 __all__ = ["EngineActor"]

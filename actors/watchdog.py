@@ -22,8 +22,20 @@ from typing import Any
 import ray
 
 from agentrl.config import WatchdogConfig
-from agentrl.progress_watch import ProgressLedger, describe_processes, format_processes, stall_reason
-from agentrl.watchdog import ActorReport, Deadlines, RunStalled, format_report, py_spy_dump, thread_stacks
+from agentrl.progress_watch import (
+    ProgressLedger,
+    describe_processes,
+    format_processes,
+    stall_reason,
+)
+from agentrl.watchdog import (
+    ActorReport,
+    Deadlines,
+    RunStalled,
+    format_report,
+    py_spy_dump,
+    thread_stacks,
+)
 
 __all__ = ["DIAG_GROUPS", "STALL_KINDS", "WARMUP_KINDS", "AsyncDiag", "SyncDiag", "Watchdog"]
 
@@ -153,9 +165,10 @@ class Watchdog:
             deadline = max(self.deadlines.deadline(kind, judged=judged), grace_left)
             stall_s = self.stall_after(kind)
             left = deadline - (now - look)
-            # Engine waits look for a stalled engine between deadlines too: its actor answers,
-            # and the wait's own progress (groups queued) may come from the other engines.
-            timeout = left if stall_s is None else min(left, max(stall_s, grace_left))
+            # Engine waits look for a stalled engine between deadlines too (its actor answers, and
+            # the wait's own progress may come from the other engines), three times a threshold: a
+            # stall is found within 4/3 of it. A look is a ping of each engine.
+            timeout = left if stall_s is None else min(left, max(stall_s / 3, grace_left))
             if done(max(timeout, 0.0)):
                 break
             stalled = self.stalled(stall_s) if stall_s is not None and self._grace_until <= time.perf_counter() else []

@@ -129,8 +129,9 @@ def stall_reason(status: dict[str, Any], threshold_s: float, still_s: float | No
     ages = [a for a in (own, still_s) if a is not None]
     if not ages or max(ages) < threshold_s:
         return None
-    what = (f"{status['requests_in_flight']} request(s) in flight" if "requests_in_flight" in status
-            else f"{pending} call(s) pending")
+    requests = int(status.get("requests_in_flight") or 0)
+    what = (f"{requests} request(s) in flight" if requests
+            else f"{pending} call(s) pending" + (" (a weight load, sleep or wake)" if "requests_in_flight" in status else ""))
     return (f"stalled: answers its ping but made no progress for {max(ages):.0f}s with {what} "
             f"(progress={status.get('progress')}; threshold {threshold_s:.0f}s)")
 

@@ -12,7 +12,6 @@ import time
 from types import SimpleNamespace
 
 import psutil
-import pytest
 
 from agentrl.config import WatchdogConfig, load_config
 from agentrl.progress_watch import ProgressClock, ProgressLedger, describe_processes, stall_reason
