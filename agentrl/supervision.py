@@ -166,7 +166,7 @@ class Supervision:
                 killed = self._kill_frozen(r, named[r.name])
                 self.watchdog.ledger.forget(r.name)
                 self.num_engine_restarts += 1
-                r.action, acted = f"killed ({killed}); Ray restarts it and it loads the current weights", True
+                r.action, acted = f"killed; Ray restarts it and it loads the current weights ({killed})", True
                 restarting = True
                 print(f"agentrl: {r.name} {r.state} ({r.error}); {r.status.get('core', 'no core process found')}: "
                       f"restarting it: {killed}", file=sys.stderr, flush=True)
