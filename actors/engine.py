@@ -10,12 +10,13 @@ that a restart could fail (ray-project/ray#53727), while a name is looked up afr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from typing import Any
 
 import ray
-
 from agentrl.actors.watchdog import DIAG_GROUPS, AsyncDiag
+
 from agentrl.config import EngineConfig
 
 __all__ = ["EngineActor"]
@@ -111,27 +112,32 @@ class EngineActor(AsyncDiag):
 
     async def score(self, token_ids: list[int]) -> list[float]:
         await self._ready()
-        return await self.engine.score(token_ids)
+        with self.engine.clock.busy():
+            return await self.engine.score(token_ids)
 
     async def score_top_k(self, token_ids: list[int], k: int) -> dict[str, list]:
         await self._ready()
-        return await self.engine.score_top_k(token_ids, k)
+        with self.engine.clock.busy():
+            return await self.engine.score_top_k(token_ids, k)
 
     async def update_weights(self, weights: dict, version: int, mode: str = "continue") -> float:
         await self._ready()
         first_adapter = self.engine.lora is not None and self.engine.lora_request is None
         if version <= self.engine.version and not first_adapter:  # a restarted engine may have caught up
             return 0.0
-        return await self.engine.update_weights(weights, version, mode)  # type: ignore[arg-type]
+        with self.engine.clock.busy():  # a load that hangs (the core frozen) is a stall too
+            return await self.engine.update_weights(weights, version, mode)  # type: ignore[arg-type]
 
     async def sleep(self, level: int = 1) -> float:
         """Drain and release GPU memory while a colocated learner steps (vLLM sleep mode)."""
         await self._ready()
-        return await self.engine.sleep(level)
+        with self.engine.clock.busy():
+            return await self.engine.sleep(level)
 
     async def wake_up(self) -> float:
         await self._ready()
-        return await self.engine.wake_up()
+        with self.engine.clock.busy():
+            return await self.engine.wake_up()
 
     async def init_weight_group(self, host: str, port: int, rank_offset: int, world_size: int,
                                 backend: str) -> list[int]:
@@ -171,9 +177,35 @@ class EngineActor(AsyncDiag):
 
     def diag_status(self) -> dict[str, Any]:
         n = self.engine.num_inflight
-        status = {"busy": n > 0, "requests_in_flight": n, "version": self.engine.version, "started": self._started,
-                  "tokens_sampled": getattr(self.engine, "num_tokens_sampled", 0)}
+        status = {"busy": n > 0 or self.engine.clock.pending > 0, "requests_in_flight": n,
+                  "version": self.engine.version, "started": self._started,
+                  "tokens_sampled": getattr(self.engine, "num_tokens_sampled", 0),
+                  "requests_finished": self.engine.num_requests_finished, **self.engine.clock.status()}
         return status | ({"start_error": self._start_error} if self._start_error else {})
+
+    @ray.method(concurrency_group="diag")
+    async def core_processes(self) -> list[dict[str, Any]]:
+        """What /proc says of this actor's child processes (vLLM's engine core, its workers):
+        pid, name, state, wchan; read here, so it works for an engine on another node too."""
+        from agentrl.progress_watch import describe_processes
+
+        return describe_processes(os.getpid())
+
+    @ray.method(concurrency_group="diag")
+    async def kill_core(self) -> list[int]:
+        """SIGKILL this actor's child processes (a frozen engine core cannot take a gentler
+        signal); returns their pids. The driver calls it before killing the actor itself, whose
+        death does not end the core (vLLM's core does not watch its parent)."""
+        import signal
+
+        import psutil
+
+        pids = []
+        for p in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error, OSError):
+                os.kill(p.pid, signal.SIGKILL)
+                pids.append(p.pid)
+        return pids
 
     def num_inflight(self) -> int:
         return self.engine.num_inflight

@@ -201,8 +201,11 @@ class RolloutActor(AsyncDiag):
             self.num_groups += 1
 
     def diag_status(self) -> dict[str, Any]:
+        # pending/progress: read by the watchdog's ledger (shown in a diagnosis, not acted on: a
+        # group waits on engine generations and tools, each bounded by its own watch)
         return {"busy": self.num_in_flight > 0, "groups_in_flight": self.num_in_flight,
-                "groups_done": self.num_groups, "groups_failed": self.num_failed_groups}
+                "groups_done": self.num_groups, "groups_failed": self.num_failed_groups,
+                "pending": self.num_in_flight, "progress": self.num_groups + self.num_failed_groups}
 
     async def _score(self, group) -> None:
         from agentrl.learner.distill import score_group

@@ -22,14 +22,32 @@ from typing import Any
 import ray
 
 from agentrl.config import WatchdogConfig
-from agentrl.driver.watchdog import ActorReport, Deadlines, RunStalled, format_report, py_spy_dump, thread_stacks
+from agentrl.progress_watch import (
+    ProgressLedger,
+    describe_processes,
+    format_processes,
+    stall_reason,
+)
+from agentrl.driver.watchdog import (
+    ActorReport,
+    Deadlines,
+    RunStalled,
+    format_report,
+    py_spy_dump,
+    thread_stacks,
+)
 
-__all__ = ["DIAG_GROUPS", "WARMUP_KINDS", "AsyncDiag", "SyncDiag", "Watchdog"]
+__all__ = ["DIAG_GROUPS", "STALL_KINDS", "WARMUP_KINDS", "AsyncDiag", "SyncDiag", "Watchdog"]
 
 DIAG_GROUPS = {"diag": 1}  # ray.remote(concurrency_groups=DIAG_GROUPS) on every actor class
 WARMUP_KINDS = frozenset({"batch", "learner_step", "engine_sleep", "engine_wake"})
 """Waits whose first one is a warm-up (vLLM's first requests, compiles) and is not recorded; a first
 refit is an ordinary one, and without it a run that refits three times before a fault has too few."""
+STALL_KINDS = frozenset({"batch", "eval"})
+"""Waits on the engines' sampling: between their deadlines the watchdog looks for a stalled engine
+every `Watchdog.stall_after` seconds (engines with requests in flight and no token since)."""
+JUDGED = ("engine", "teacher")
+"""Actors judged by their progress and restarted when stalled (the others' counters are shown)."""
 
 
 class AsyncDiag:
@@ -91,6 +109,8 @@ class Watchdog:
         self.last_report = ""
         self._grace_until = 0.0
         self._waited: set[str] = set()  # kinds waited for at least once
+        self.ledger = ProgressLedger()  # each actor's progress counter, as its pings told it
+        self.num_stalls = 0  # actors found stalled (answering, no progress)
 
     def grace(self, seconds: float) -> None:
         """No deadline passes in the next ``seconds`` (an actor restarted by a recovery, or by Ray,
@@ -137,28 +157,47 @@ class Watchdog:
         recoveries = 0
         alarmed = False
         mark = progress() if progress is not None else None
+        judged = progress is not None
+        look = t0  # the last look at `progress`: the deadline counts from there
         while True:
-            deadline = max(self.deadlines.deadline(kind), self._grace_until - time.perf_counter())
-            if done(deadline):
+            now = time.perf_counter()
+            grace_left = self._grace_until - now
+            deadline = max(self.deadlines.deadline(kind, judged=judged), grace_left)
+            stall_s = self.stall_after(kind)
+            left = deadline - (now - look)
+            # Engine waits look for a stalled engine between deadlines too (its actor answers, and
+            # the wait's own progress may come from the other engines), three times a threshold: a
+            # stall is found within 4/3 of it. A look is a ping of each engine.
+            timeout = left if stall_s is None else min(left, max(stall_s / 3, grace_left))
+            if done(max(timeout, 0.0)):
                 break
-            if progress is not None:
-                now = progress()
-                if now != mark and now is not None:
-                    mark = now
-                    continue  # slow, not stuck
+            stalled = self.stalled(stall_s) if stall_s is not None and self._grace_until <= time.perf_counter() else []
+            if not stalled:
+                if time.perf_counter() - look < deadline:
+                    continue  # a look for stalled engines only; the deadline has not passed
+                look = time.perf_counter()
+                if progress is not None:
+                    now_p = progress()
+                    if now_p != mark and now_p is not None:
+                        mark = now_p
+                        continue  # slow, not stuck
             alarmed = True
             self.num_alarms += 1
-            reports = self.diagnose(focus)
+            reports = self.diagnose(focus, stall_s=stall_s if stall_s is not None else deadline)
+            self.num_stalls += sum(r.state == "stalled" for r in reports)
             recovered = recover(reports) if recover is not None else False
             elapsed = time.perf_counter() - t0
             q = self.deadlines.quantile(kind)
             history = f"recent {kind} q{self.cfg.quantile:g} = {q:.1f}s" if q is not None else f"no {kind} history yet"
+            if stall_s is not None:
+                history += f"; an engine with requests in flight and no token for {stall_s:.0f}s is stalled"
             report = format_report(what, elapsed, deadline, reports, history=history)
             if recovered and recoveries < self.cfg.max_recoveries:
                 recoveries += 1
                 self.num_recoveries += 1
                 self._emit(report + f"\nwatchdog: recovered ({recoveries} of at most {self.cfg.max_recoveries} "
                                     "in this wait); waiting again")
+                look = time.perf_counter()
                 continue
             why = ("nothing the watchdog can restart would unblock it" if not recovered
                    else f"watchdog.max_recoveries ({self.cfg.max_recoveries}) reached")
@@ -176,6 +215,41 @@ class Watchdog:
             self.deadlines.record(kind, elapsed)
         return elapsed
 
+    def stall_after(self, kind: str) -> float | None:
+        """Seconds without a token after which an engine with requests in flight is stalled, in
+        a wait of ``kind`` (None: no looks between deadlines; the kind is not an engine wait, or
+        it has no history yet): ``watchdog.factor`` x the recent quantile of that wait, at least
+        ``watchdog.progress_floor_s``. A quick workload finds a frozen engine core in tens of
+        seconds; a slow one, whose waits are long, gets a threshold as long."""
+        if kind not in STALL_KINDS or self.deadlines.quantile(kind) is None:
+            return None
+        return self.deadlines.deadline(kind, judged=True)
+
+    def stalled(self, threshold_s: float) -> list[ActorReport]:
+        """Ping the engines and return those that answer and are stalled (no progress for
+        ``threshold_s`` with work pending) or do not answer at all."""
+        engines = {n: h for n, h in self.actors().items() if n.startswith(JUDGED)}
+        if not engines:
+            return []
+        reports = self.ping_all(actors=engines)
+        self.judge(reports, threshold_s)
+        return [r for r in reports if r.state in ("stalled", "unresponsive")]  # (dead: Ray restarts it)
+
+    def judge(self, reports: list[ActorReport], threshold_s: float) -> None:
+        """Mark as ``stalled`` the engines whose work has not moved for ``threshold_s`` (by their
+        own clock or by the counters their pings gave the driver), whatever their actor answers."""
+        for r in reports:
+            if r.state not in ("busy", "idle"):
+                continue
+            still = self.ledger.still_for(r.name)
+            if still is not None:
+                r.status["still_s"] = still
+            if not r.name.startswith(JUDGED):
+                continue
+            why = stall_reason(r.status, threshold_s, still)
+            if why is not None:
+                r.state, r.error = "stalled", why
+
     def _emit(self, report: str) -> None:
         self.last_report = report
         self.out(report)
@@ -186,11 +260,11 @@ class Watchdog:
             pass
 
     # -- diagnosis --------------------------------------------------------------------------------
-    def ping_all(self, timeout_s: float | None = None) -> list[ActorReport]:
-        """Every actor's state: idle or busy (it answered), unresponsive (no answer in
-        ``watchdog.ping_timeout_s``) or dead."""
+    def ping_all(self, timeout_s: float | None = None, actors: dict[str, Any] | None = None) -> list[ActorReport]:
+        """Every actor's state (or that of ``actors``): idle or busy (it answered), unresponsive
+        (no answer in ``watchdog.ping_timeout_s``) or dead. Their progress counters go to the ledger."""
         timeout_s = self.cfg.ping_timeout_s if timeout_s is None else timeout_s
-        actors = self.actors()
+        actors = self.actors() if actors is None else actors
         refs = {}
         reports = {}
         for name, handle in actors.items():
@@ -214,6 +288,7 @@ class Watchdog:
             pid = status.pop("pid", None)
             if pid is not None:
                 self._learn(name, pid)
+            self.ledger.observe(name, status, pid)
             busy = bool(status.pop("busy", False))
             reports[name] = ActorReport(name, "busy" if busy else "idle", pid, status=status)
         return [reports[n] for n in actors if n in reports]
@@ -232,13 +307,43 @@ class Watchdog:
         except Exception:  # noqa: BLE001
             return ""
 
-    def diagnose(self, focus: tuple[str, ...] = ()) -> list[ActorReport]:
+    def diagnose(self, focus: tuple[str, ...] = (), stall_s: float | None = None) -> list[ActorReport]:
+        """Every actor's report; with ``stall_s``, engines stalled that long are marked so. A
+        stalled or unresponsive engine's report names its core process(es): pid, state from /proc
+        (``T (stopped)``), wchan, and stacks where py-spy can read them."""
         reports = self.ping_all()
+        if stall_s is not None:
+            self.judge(reports, stall_s)
         actors = self.actors()
         for r in reports:
-            if r.state == "unresponsive" or (r.name in focus and r.state == "busy"):
+            if r.state in ("unresponsive", "stalled") or (r.name in focus and r.state == "busy"):
                 r.stacks = self.stacks_of(r, actors.get(r.name))
+            if r.name.startswith(JUDGED) and r.state in ("unresponsive", "stalled"):
+                self.describe_core(r, actors.get(r.name))
         return reports
+
+    def describe_core(self, report: ActorReport, handle: Any) -> None:
+        """Add the engine's child processes (vLLM's core) to its report: read from /proc here
+        when the actor's process is on this host, else asked of the actor."""
+        procs: list[dict[str, Any]] = []
+        if report.pid is not None and self.is_same_process(report.name, report.pid):
+            procs = describe_processes(report.pid)
+        elif report.state == "stalled" and handle is not None:
+            try:
+                procs = ray.get(handle.core_processes.remote(), timeout=self.cfg.ping_timeout_s)
+            except Exception:  # noqa: BLE001 (an actor class without it, or gone)
+                procs = []
+        report.core = procs
+        if not procs:
+            return
+        report.status["core"] = "; ".join(f"{p['name']} pid {p['pid']} state {p['state']}" for p in procs)
+        lines = [format_processes(procs)]
+        for p in procs:
+            dump = py_spy_dump(p["pid"], timeout_s=self.cfg.ping_timeout_s * 2)
+            lines.append(f"stacks of process {p['pid']}:\n{dump}" if dump else
+                         f"(no Python stacks of process {p['pid']}: py-spy is missing or may not read it; "
+                         "its state and wchan above are from /proc)")
+        report.stacks = (report.stacks.rstrip() + "\n" if report.stacks else "") + "\n".join(lines)
 
     def stacks_of(self, report: ActorReport, handle: Any) -> str:
         """py-spy from outside where it can read the process; else the actor's own dump (which a
@@ -292,7 +397,9 @@ class Watchdog:
             if ray.wait([ref], timeout=0)[0]:
                 del self._pings[name]
                 try:
-                    self._learn(name, ray.get(ref)["pid"])
+                    status = dict(ray.get(ref))
+                    self._learn(name, status["pid"])
+                    self.ledger.observe(name, status, status["pid"])
                 except Exception:  # noqa: BLE001 (dead or restarting: next time)
                     pass
         for name, handle in self.actors().items():

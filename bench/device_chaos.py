@@ -25,6 +25,12 @@ them).
 
     python bench/device_chaos.py --out $OUT/device_chaos.json          # bash bench/device_chaos.sh
     python bench/device_chaos.py --cpu --out /tmp/chaos.json           # the same logic on CPU
+
+``--core-freeze`` adds a third fault once the second is recovered: the engine's vLLM core process
+(the child of the engine actor that samples) is SIGSTOPped while its actor keeps answering; the
+watchdog must find it by its sampled tokens standing still (``faults.core_freeze.detected_s``,
+against ``stall_threshold_s``), kill the core and the actor, and the run must go on
+(``CHAOS_ARGS=--core-freeze bash bench/device_chaos.sh``).
 """
 
 from __future__ import annotations
@@ -97,6 +103,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=440.0,
                     help="every wait ends by then; a run still going is reported as hung (its stacks in the JSON)")
     ap.add_argument("--cpu", action="store_true", help="check the logic on CPU (quickstart model, no colocation)")
+    ap.add_argument("--core-freeze", action="store_true",
+                    help="a third fault: SIGSTOP the engine's vLLM core process (its actor still answers) while "
+                         "the driver waits for a batch; the watchdog must find it by its progress and restart it")
     ap.add_argument("--keep-staged", action="store_true",
                     help="--cpu: leave the staged weights in place for the restarted engine (GPU transports stage none)")
     ap.add_argument("overrides", nargs="*")
@@ -182,6 +191,32 @@ def main() -> int:
 
     trainer._load_engines = freezing
 
+    def freeze_core() -> None:
+        """The engine's vLLM core (the actor's child process that samples) frozen while the actor
+        answers its pings: found by its tokens standing still, killed with its actor, restarted."""
+        at, restarts = steps_done(run_dir), trainer.num_engine_restarts
+        engine_pid = ray.get(trainer.engines[0].pid.remote(), timeout=120)
+        cores = [p for p in psutil.Process(engine_pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
+        f = result["faults"]["core_freeze"] = {"at_step": at, "engine_pid": engine_pid, "core_pids": [p.pid for p in cores]}
+        if not cores:
+            result["errors"].append(f"core_freeze: no EngineCore child of engine0 (pid {engine_pid})")
+            return
+        for p in cores:
+            p.send_signal(signal.SIGSTOP)
+        t0 = time.perf_counter()
+        note(f"SIGSTOP engine0's core {f['core_pids']} (its actor, pid {engine_pid}, still answers) after step {at}")
+        result["phase"] = "fault 3 (core freeze): waiting for the stall's restart"
+        write()
+        got = wait_for(lambda: trainer.num_engine_restarts > restarts, "the stalled engine's restart")
+        f["detected_s"] = got
+        f["stall_threshold_s"] = trainer.watchdog.stall_after("batch")
+        result["phase"] = "fault 3 (core freeze): waiting for two more steps"
+        write()
+        f["two_steps_s"] = wait_for(lambda: steps_done(run_dir) > at + 1, "two steps after the core freeze")
+        f["recovered_s"] = None if f["two_steps_s"] is None else time.perf_counter() - t0
+        f["cores_left"] = [p.pid for p in cores if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        f["fault_metrics"] = trainer._fault_metrics()
+
     def inject() -> None:
         # The refit freeze first: it is found by a deadline, and no restart grace is running yet
         # (a restart's grace, twice the engines' start time, would hold the deadline back); the
@@ -229,6 +264,8 @@ def main() -> int:
             f["gpu_used_after_gib"] = gpu_used_gib()
             f["recovered_s"] = time.perf_counter() - t0 if f.get("two_steps_s") is not None else None
             f["fault_metrics"] = trainer._fault_metrics()
+            if args.core_freeze and f.get("two_steps_s") is not None:
+                freeze_core()
             result["phase"] = "faults done: waiting for the run to end"
             write()
         except Exception:  # noqa: BLE001 (reported in the JSON)
@@ -285,7 +322,9 @@ def main() -> int:
         known = {p.pid for p in psutil.Process().children(recursive=True)}
         result["vllm_orphans"] = vllm_orphans(known | {os.getpid()})
         ok = (result.get("finished") and not result["errors"] and result.get("engine_version") == args.steps
-              and "engine_kill" in result["faults"])
+              and "engine_kill" in result["faults"]
+              and (not args.core_freeze or (result["faults"].get("core_freeze", {}).get("recovered_s") is not None
+                                            and not result["faults"]["core_freeze"].get("cores_left"))))
         code = 0 if ok else 1
     except Exception:  # noqa: BLE001
         result["errors"].append(traceback.format_exc())

@@ -170,7 +170,7 @@ UPWARD = {
     ("agentrl.weights.sync", "agentrl.actors.learner"): "... and reaches the learner actor's address for the nccl group",
     ("agentrl.actors.watchdog", "agentrl.driver.watchdog"): "the probing actor uses the driver's deadlines and report",
 }
-BASE = {"agentrl", "agentrl._lazy"}
+BASE = {"agentrl", "agentrl._lazy", "agentrl.progress_watch"}  # stdlib-only helpers
 # Modules that import Ray, vLLM or Megatron-Core as they are imported (at module level); any other
 # module defers them into the function that needs them.
 MODULE_LEVEL = {

@@ -238,6 +238,14 @@ class WatchdogConfig(Section):
     step, compilation) have no history and get `first_s`."""
     first_s: float = Field(900.0, gt=0)
     """Deadline of a wait of a kind seen fewer than `min_samples` times."""
+    progress_floor_s: float = Field(30.0, gt=0)
+    """Floor of the deadline of a wait whose progress is watched (a batch: groups queued; an
+    evaluation: tokens sampled; a CPU learner step: its CPU time), in place of `floor_s`: such a
+    deadline only makes the watchdog look, and a slow wait that moves raises nothing. Also the
+    least time an engine with requests in flight may go without sampling a token before it is
+    judged stalled (its actor answering or not) and restarted: between deadlines of a batch or an
+    evaluation the watchdog looks for such an engine every max(`progress_floor_s`, `factor` x
+    the recent `quantile` of that wait) seconds."""
     factor: float = Field(5.0, ge=1)
     """Deadline = max(floor_s, factor x the `quantile` of the last `window` durations of that kind)."""
     quantile: float = Field(0.9, gt=0, le=1)

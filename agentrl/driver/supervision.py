@@ -35,6 +35,25 @@ def _stop_as_on_ctrl_c(signum: int, _frame: Any) -> None:
     raise KeyboardInterrupt(why)
 
 
+def _still_running(procs: list[Any], timeout_s: float) -> list[int]:
+    """Pids of ``procs`` still running after up to ``timeout_s`` (a zombie is dead: it waits only
+    for whoever adopted it to reap it)."""
+    import time
+
+    import psutil
+
+    end = time.monotonic() + timeout_s
+    while True:
+        left = []
+        for p in procs:
+            with contextlib.suppress(psutil.Error):
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    left.append(p.pid)
+        if not left or time.monotonic() >= end:
+            return left
+        time.sleep(0.1)
+
+
 class Supervision:
     """Fault handling of the driver (see the module docstring); the attributes it reads are the
     Trainer's (``engines``, ``rollouts``, ``replay``, ``watchdog``, ``engines_version`` ...)."""
@@ -95,20 +114,35 @@ class Supervision:
                                  f"{str(exc)[:2000]}") from exc
             raise RunStopped(f"rollout actor {i} returned from run() while training went on")
 
-    def _kill_frozen(self, report: ActorReport, handle: Any) -> None:
-        """Kill an unresponsive actor's process. Ray's kill asks the process to exit, which a
-        frozen (SIGSTOPped, GIL-deadlocked) process cannot do; SIGKILL by pid does."""
+    def _kill_frozen(self, report: ActorReport, handle: Any) -> str:
+        """Kill an unresponsive or stalled actor's process and its children (an engine's vLLM core,
+        which does not end with its parent). Ray's kill asks the process to exit, which a frozen
+        (SIGSTOPped, GIL-deadlocked) process cannot do; SIGKILL by pid does, stopped or not.
+        Returns what was killed, and any process of it still alive after 10 s."""
         import signal
 
         import psutil
 
+        local = report.pid is not None and self.watchdog.is_same_process(report.name, report.pid)  # never a reused pid
+        procs: list[Any] = []
+        if local:
+            with contextlib.suppress(psutil.Error):
+                procs = psutil.Process(report.pid).children(recursive=True)
+        elif report.state == "stalled":  # another node's engine that answers: it kills its own core
+            with contextlib.suppress(Exception):
+                ray.get(handle.kill_core.remote(), timeout=self.cfg.watchdog.ping_timeout_s)
+        for p in procs:  # the children first: once the actor is gone they are harder to find
+            with contextlib.suppress(psutil.Error, OSError):
+                p.send_signal(signal.SIGKILL)
         with contextlib.suppress(Exception):
             ray.kill(handle, no_restart=False)
-        if report.pid is None:
-            return
-        if self.watchdog.is_same_process(report.name, report.pid):  # never a pid reused since
+        if local:
             with contextlib.suppress(psutil.Error, OSError):
+                procs.append(psutil.Process(report.pid))
                 os.kill(report.pid, signal.SIGKILL)
+        left = _still_running(procs, timeout_s=10.0)
+        killed = ", ".join(str(p.pid) for p in procs) or "none found on this host"
+        return f"SIGKILLed pids {killed}" + (f"; STILL ALIVE: {left}" if left else "; none left")
 
     def _recover(self, reports: list[ActorReport]) -> bool:
         """What the watchdog can do about a stall: restart frozen engines (Ray restarts them; they
@@ -125,11 +159,17 @@ class Supervision:
                 # its process is gone: Ray is restarting it (a new process does not answer until
                 # its actor is built); killing it again would only start that over
                 r.action, acted, restarting = "its process is gone: Ray is restarting it; waiting", True, True
-            elif r.name.startswith(("engine", "teacher")) and r.state == "unresponsive":
-                self._kill_frozen(r, named[r.name])
+            elif r.name.startswith(("engine", "teacher")) and r.state in ("unresponsive", "stalled"):
+                # stalled: its actor answers but its core samples nothing (frozen, a hung kernel or
+                # collective); its requests in flight fail with the actor, and their groups are
+                # released (or put with their other episodes) by the rollout actors
+                killed = self._kill_frozen(r, named[r.name])
+                self.watchdog.ledger.forget(r.name)
                 self.num_engine_restarts += 1
-                r.action, acted = "killed; Ray restarts it and it loads the current weights", True
+                r.action, acted = f"killed; Ray restarts it and it loads the current weights ({killed})", True
                 restarting = True
+                print(f"agentrl: {r.name} {r.state} ({r.error}); {r.status.get('core', 'no core process found')}: "
+                      f"restarting it: {killed}", file=sys.stderr, flush=True)
             elif r.name.startswith(("engine", "teacher")) and r.state == "dead":
                 r.action, acted, restarting = "restarting (Ray)", True, True
             elif r.name.startswith(("engine", "teacher")) and r.status.get("start_error"):

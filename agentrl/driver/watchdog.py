@@ -27,7 +27,7 @@ from agentrl.config import WatchdogConfig
 
 __all__ = ["ActorReport", "Deadlines", "RunStalled", "RunStopped", "format_report", "py_spy_dump", "thread_stacks"]
 
-ActorState = Literal["idle", "busy", "unresponsive", "dead"]
+ActorState = Literal["idle", "busy", "stalled", "unresponsive", "dead"]
 
 
 class RunStopped(RuntimeError):
@@ -65,13 +65,17 @@ class Deadlines:
             return None
         return xs[min(len(xs) - 1, int(self.cfg.quantile * len(xs)))]
 
-    def deadline(self, kind: str) -> float:
+    def deadline(self, kind: str, *, judged: bool = False) -> float:
+        """``judged``: the wait has a progress signal that tells slow from stuck (groups queued,
+        tokens sampled, a CPU learner's CPU time), so a passed deadline only makes the watchdog
+        look: its floor is ``progress_floor_s``, not ``floor_s``."""
         if kind in self.cfg.deadlines:
             return float(self.cfg.deadlines[kind])  # type: ignore[index]
+        floor = self.cfg.progress_floor_s if judged else self.cfg.floor_s
         q = self.quantile(kind)
         if q is None:
-            return max(self.cfg.first_s, self.cfg.floor_s)
-        return max(self.cfg.floor_s, self.cfg.factor * q)
+            return max(self.cfg.first_s, floor)
+        return max(floor, self.cfg.factor * q)
 
 
 @dataclass
@@ -85,6 +89,7 @@ class ActorReport:
     error: str = ""
     stacks: str = ""  # its Python threads' stacks (py-spy from outside, or its own dump)
     action: str = ""  # what the watchdog did about it (restarted, ...)
+    core: list = field(default_factory=list)  # an engine's child processes as /proc told (pid, name, state, wchan)
 
 
 def thread_stacks(skip_current: bool = True) -> str:

@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from agentrl.config import EngineConfig, LoRAConfig
     from agentrl.weights.transports import RefitPayload
 
+from agentrl.progress_watch import ProgressClock
+
 __all__ = ["GenerationResult", "VLLMEngine"]
 
 
@@ -130,6 +132,10 @@ class VLLMEngine:
         self.version = 0
         self.num_inflight = 0
         self.num_tokens_sampled = 0  # ever: what the watchdog reads as progress of a long wait (an evaluation)
+        self.num_requests_finished = 0
+        # Work pending (requests, weight loads, sleep/wake) and the time since any of it moved: an
+        # engine whose core process is frozen keeps answering pings, but this clock runs on.
+        self.clock = ProgressClock()
         self._llm = None
         self._ids = itertools.count()
         self.lora = lora if lora is not None and lora.enabled else None
@@ -256,6 +262,7 @@ class VLLMEngine:
             output_kind=RequestOutputKind.DELTA,
         )
         self.num_inflight += 1
+        self.clock.begin()
         try:
             request_id = f"agentrl-{next(self._ids)}"
             async for out in self.llm.generate(TokensPrompt(prompt_token_ids=list(prompt_ids)), params, request_id,
@@ -268,10 +275,13 @@ class VLLMEngine:
                 if len(delta.logprobs) != len(new):
                     raise RuntimeError("vLLM returned a different number of logprobs than tokens")
                 self.num_tokens_sampled += len(new)
+                self.clock.advance(len(new))
                 if new or comp.finish_reason is not None:
                     yield delta
+            self.num_requests_finished += 1
         finally:
             self.num_inflight -= 1
+            self.clock.end()
 
     async def score(self, token_ids: list[int]) -> list[float]:
         """Logprob of every token given its prefix under the current weights (0.0 at position 0)."""
