@@ -244,7 +244,7 @@ class Config(Section):
         """replay.lag's requirements (agentrl/fixed_lag.py); the staleness bound becomes the lag."""
         lag, conflicts = self.replay.lag, []
         if "max_staleness" in self.replay.model_fields_set and self.replay.max_staleness < lag:
-            conflicts.append(f"replay.max_staleness={self.replay.max_staleness} (every token is {lag} steps old: "
+            conflicts.append(f"replay.max_staleness={self.replay.max_staleness} (a lag of {lag} is a staleness of {lag}: "
                              f"drop it or set it to {lag})")
         if self.refit.interval != 1:
             conflicts.append(f"refit.interval={self.refit.interval} (each step's batch needs its own version: use 1)")
