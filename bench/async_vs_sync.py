@@ -141,7 +141,7 @@ def main() -> None:
     from agentrl.config import load_config
     from agentrl.sft import run_sft
 
-    qs = load_config(REPO / "configs" / "quickstart.yaml", ["sft.enabled=false"] if args.no_sft else [])
+    qs = load_config(REPO / "configs" / "quickstart.yaml", ["sft.enabled=false", *args.overrides] if args.no_sft else [])
     if args.no_sft:
         from agentrl.models import resolve_model_path
 

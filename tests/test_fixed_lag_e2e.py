@@ -1,5 +1,5 @@
 """replay.lag with the real pipeline (vLLM engine on CPU, torch learner): the quickstart without
-its SFT stage, run twice at lag 1, once as it is and once with slow tools (every calculator call
+its SFT stage (and its tiny model without the induction pre-stage), run twice at lag 1, once as it is and once with slow tools (every calculator call
 waits 0.1-2 s) and two rollout actors, trains on the same batches and ends with bit-identical
 weights."""
 
@@ -25,7 +25,9 @@ def test_lag_one_trains_on_the_same_batches_with_slow_tools_and_two_rollout_acto
 
     def run(name, *extra):
         cfg = load_config(REPO / "configs" / "quickstart.yaml", [
-            f"run_dir={tmp_path / name}", "sft.enabled=false", "replay.lag=1", "replay.max_staleness=1",
+            # the tiny model without its induction pre-stage (minutes on a busy CPU; not what is tested)
+            f"run_dir={tmp_path / name}", f"model.path={tmp_path / 'model'}", "model.tiny.induction_steps=0",
+            "sft.enabled=false", "replay.lag=1", "replay.max_staleness=1",
             "replay.groups_per_step=4", f"train.num_steps={steps}", "eval.num_episodes=0",
             "train.checkpoint_interval=0", *extra])
         trainer = Trainer(cfg, progress=False)
