@@ -1,7 +1,9 @@
-"""replay.lag with the real pipeline (vLLM engine on CPU, torch learner): the quickstart without
-its SFT stage (and its tiny model without the induction pre-stage), run twice at lag 1, once as it is and once with slow tools (every calculator call
-waits 0.1-2 s) and two rollout actors, trains on the same batches and ends with bit-identical
-weights."""
+"""replay.lag with the real pipeline (vLLM engine on CPU, torch learner): the quickstart's config
+without its SFT stage (and its tiny model without the induction pre-stage), run twice at lag 1,
+once as it is and once with a slow env and two rollout actors, trains on the same batches and
+ends with bit-identical weights. The env is SayNumber (tests/e2e_envs.py), not the calculator: a
+random model never answers a calculation right, so every reward would tie and no step would move
+the weights; SayNumber's rewards vary, so each version differs and the lag shows in the data."""
 
 from pathlib import Path
 
@@ -14,7 +16,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_lag_one_trains_on_the_same_batches_with_slow_tools_and_two_rollout_actors(tmp_path):
+def test_lag_one_trains_on_the_same_batches_with_a_slow_env_and_two_rollout_actors(tmp_path):
     import ray
     from safetensors.torch import load_file
 
@@ -39,16 +41,18 @@ def test_lag_one_trains_on_the_same_batches_with_slow_tools_and_two_rollout_acto
         model = Path(cfg.run_dir) / "checkpoints" / f"step_{steps:06d}" / "learner" / "model" / "model.safetensors"
         return rows, load_file(str(model))
 
-    start_ray()  # one Ray instance for both runs (tools.slow_envs is imported through PYTHONPATH)
+    start_ray()  # one Ray instance for both runs (tests.e2e_envs is imported through PYTHONPATH)
     try:
-        quick_rows, quick_w = run("quick")
-        slow_rows, slow_w = run("slow", "env.id=tools.slow_envs:SlowCalculator-v0", "env.kwargs={median_latency_s: 0.3}",
+        quick_rows, quick_w = run("quick", "env.id=tests.e2e_envs:SayNumber-v0")
+        # every env step sleeps 0.15-0.45 s (the same env otherwise), and two actors share the slots
+        slow_rows, slow_w = run("slow", "env.id=tests.e2e_envs:Chaos-v0", "env.kwargs={delay_s: 0.3}",
                                 "rollout.num_actors=2", "rollout.max_concurrent_groups=3")
     finally:
         ray.shutdown()
     assert [r["step"] for r in quick_rows] == [r["step"] for r in slow_rows] == list(range(1, steps + 1))
     for a, b in zip(quick_rows, slow_rows):
         assert a["replay/token_version_min"] == a["replay/token_version_max"] == max(a["step"] - 2, 0)
+        assert a["train/num_sequences_trained"] > 0  # the weights moved: each version is a new policy
         for key in ("replay/batch_sha", "rollout/reward", "rollout/tokens", "train/loss", "train/grad_norm"):
             if key in a:
                 assert a[key] == b[key], (a["step"], key, a[key], b[key])
