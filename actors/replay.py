@@ -8,6 +8,7 @@ from typing import Any
 import ray
 
 from agentrl.actors.watchdog import DIAG_GROUPS, AsyncDiag
+from agentrl.replay.fixed_lag import FixedLagQueue
 from agentrl.replay.queue import ReplayQueue
 from agentrl.rollout.trajectory import TrajectoryGroup
 
@@ -18,8 +19,11 @@ __all__ = ["ReplayActor"]
 class ReplayActor(AsyncDiag):
     def __init__(self, capacity: int, max_staleness: int, groups_per_step: int, *,
                  wait_for_stragglers: bool = True, task_order: bool = False, dynamic_sampling: bool = False,
-                 dynamic_sampling_max_dropped: int = 512) -> None:
-        self.queue = ReplayQueue(capacity, max_staleness, groups_per_step, wait_for_stragglers=wait_for_stragglers,
+                 dynamic_sampling_max_dropped: int = 512, lag: int | None = None, seed_offset: int = 0) -> None:
+        """``lag``: a fixed-lag queue (:class:`agentrl.replay.fixed_lag.FixedLagQueue`, whose tickets are
+        slots with their task seeds from ``seed_offset``) instead of the staleness-bounded one."""
+        self.queue: ReplayQueue | FixedLagQueue = FixedLagQueue(
+            capacity, lag, groups_per_step, seed_offset=seed_offset) if lag is not None else ReplayQueue(capacity, max_staleness, groups_per_step, wait_for_stragglers=wait_for_stragglers,
                                  task_order=task_order, dynamic_sampling=dynamic_sampling,
                                  dynamic_sampling_max_dropped=dynamic_sampling_max_dropped)
         self._cond: asyncio.Condition | None = None

@@ -161,6 +161,7 @@ class RolloutActor(AsyncDiag):
         return self.cfg.rollout.seed_offset + k * self.cfg.rollout.num_actors + self.index
 
     async def _worker(self) -> None:
+        from agentrl.replay.fixed_lag import slot_seed
         from agentrl.replay.queue import zero_spread
 
         while not self._stop:
@@ -168,7 +169,8 @@ class RolloutActor(AsyncDiag):
             if self._stop:
                 await self.replay.release.remote(ticket, self.owner)
                 return
-            seed = self._next_seed()
+            seed = slot_seed(ticket)  # replay.lag: the slot fixes its task
+            seed = self._next_seed() if seed is None else seed
             gid = seed
             self.num_in_flight += 1
             try:

@@ -11,6 +11,14 @@ length (a direct guess is one turn; a tool call is two).
 
 Prints trajectories/s, learner steps per hour and reward at equal wall time for both, the ratios,
 and the length distribution of generated vs consumed trajectories in the async run.
+
+    python bench/async_vs_sync.py --fixed-lag [--no-sft]
+
+compares the deterministic modes instead: replay.lag=0 (on-policy) vs replay.lag=1 (the batch of
+step k + 1 is generated with version k while step k trains), both with train.deterministic, so
+each trains on data that depends on the seed alone. --no-sft starts from the quickstart's tiny
+model instead of its SFT model (no 15-minute SFT first; few tool calls, so the tools' latency
+matters less).
 """
 
 from __future__ import annotations
@@ -47,13 +55,15 @@ def cpu_seconds() -> dict[str, float]:
 
 
 def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_per_step: int = 4,
-             lr: float = 1e-4, temperature: float = 0.7, overrides: list[str] = ()) -> dict:
+             lr: float = 1e-4, temperature: float = 0.7, overrides: list[str] = (), lag: int | None = None) -> dict:
     import ray
 
     from agentrl.config import load_config
     from agentrl.driver.trainer import Trainer
 
-    run_dir = workdir / f"staleness{staleness}"
+    run_dir = workdir / (f"staleness{staleness}" if lag is None else f"lag{lag}")
+    # replay.lag: deterministic at that lag (the staleness is the lag)
+    mode = ["train.deterministic=false"] if lag is None else ["train.deterministic=true", f"replay.lag={lag}"]
     cfg = load_config(REPO / "configs" / "quickstart.yaml", [
         f"run_dir={run_dir}", f"model.path={model}", "sft.enabled=false",
         "env.id=tools.slow_envs:SlowCalculator-v0", f"replay.max_staleness={staleness}",
@@ -64,7 +74,8 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
         # pinned here (flags) so that tuning the quickstart does not move this benchmark
         f"replay.groups_per_step={groups_per_step}", f"rollout.temperature={temperature}", f"learner.lr={lr}",
         f"train.time_limit_s={seconds}", "eval.num_episodes=0", "train.checkpoint_interval=0",
-        "train.deterministic=false",  # the quickstart's default is deterministic (on-policy); this compares staleness
+        # the quickstart's default is deterministic (on-policy); this compares staleness, or fixed lags
+        *mode,
         *overrides,
     ])
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
@@ -90,6 +101,7 @@ def run_mode(staleness: int, seconds: float, model: str, workdir: Path, groups_p
     last = steps[-max(1, len(steps) // 4):]
     return {
         "staleness": staleness,
+        "lag": lag,
         "steps": len(steps),
         "elapsed_s": elapsed,
         "traj_per_s": trajs / elapsed,
@@ -121,21 +133,30 @@ def main() -> None:
                         help="a config override applied to both modes (repeatable)")
     parser.add_argument("--workdir", type=Path, help="keep the runs' directories (metrics.jsonl) here")
     parser.add_argument("--only", choices=["sync", "async"], help="run one mode (exploring; no ratio)")
+    parser.add_argument("--fixed-lag", action="store_true",
+                        help="compare replay.lag=0 (sync) with replay.lag=1 (async), both deterministic")
+    parser.add_argument("--no-sft", action="store_true", help="start from the quickstart's tiny model, not its SFT model")
     args = parser.parse_args()
 
     from agentrl.config import load_config
     from agentrl.driver.sft import run_sft
 
-    qs = load_config(REPO / "configs" / "quickstart.yaml")
-    model = str(run_sft(qs))  # cached after the quickstart's first run
+    qs = load_config(REPO / "configs" / "quickstart.yaml", ["sft.enabled=false", *args.overrides] if args.no_sft else [])
+    if args.no_sft:
+        from agentrl.model.loading import resolve_model_path
+
+        model = resolve_model_path(qs)  # made once, cached
+    else:
+        model = str(run_sft(qs))  # cached after the quickstart's first run
+    modes = [("sync", 0, 0), ("async", 1, 1)] if args.fixed_lag else [("sync", 0, None), ("async", 4, None)]
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.workdir:
             tmp = args.workdir
-        for name, staleness in [("sync", 0), ("async", 4)]:
+        for name, staleness, lag in modes:
             if args.only in (None, name):
                 runs[name] = run_mode(staleness, args.seconds, model, Path(tmp), args.groups_per_step, args.lr,
-                                      args.temperature, args.overrides)
+                                      args.temperature, args.overrides, lag)
     for name, r in runs.items():
         share = ", ".join(f"{k} {v / r['wall_s']:.2f}" for k, v in r["cpu_s"].items())
         print(f"{name}: CPU cores used by process ({r['wall_s']:.0f} s): {share}")
@@ -147,7 +168,8 @@ def main() -> None:
     print(f"\nasync vs sync at equal wall time ({args.seconds:.0f} s of training each; CPU, tool latency 0.1-2 s)")
     if args.overrides:
         print("overrides (both modes): " + " ".join(args.overrides))
-    print(f"{'':28s}{'sync (staleness 0)':>20s}{'async (staleness 4)':>22s}{'ratio':>8s}")
+    names = ("sync (lag 0)", "async (lag 1)") if args.fixed_lag else ("sync (staleness 0)", "async (staleness 4)")
+    print(f"{'':28s}{names[0]:>20s}{names[1]:>22s}{'ratio':>8s}")
     for key, label in [("traj_per_s", "trajectories / s"), ("steps_per_hour", "learner steps / hour"),
                        ("reward_last_quarter", "reward (last quarter)"),
                        ("tool_use_last_quarter", "tool use (last quarter)"),

@@ -117,7 +117,8 @@ class _Rollout:
 
 
 def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = False,
-         driver_delay_s: float = 0.0, checkpoint_interval: int = 0) -> tuple[list, list, list[dict], list[float]]:
+         driver_delay_s: float = 0.0, checkpoint_interval: int = 0,
+         lag: int | None = None) -> tuple[list, list, list[dict], list[float]]:
     from agentrl.actors.replay import ReplayActor
 
     from agentrl.driver.trainer import Trainer
@@ -126,10 +127,10 @@ def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = Fal
         f"run_dir={tmp_path / f'run{max_staleness}-{overlap}'}", f"replay.max_staleness={max_staleness}",
         "replay.groups_per_step=2", "replay.capacity=16", f"train.num_steps={steps}",
         f"train.checkpoint_interval={checkpoint_interval}", "eval.num_episodes=0",
-        f"train.overlap_steps={str(overlap).lower()}",
+        f"train.overlap_steps={str(overlap).lower()}", *([f"replay.lag={lag}"] if lag is not None else []),
     ])
     trainer = Trainer(cfg, model_path="unused", progress=False)
-    trainer.replay = ReplayActor.remote(cfg.replay.capacity, max_staleness, cfg.replay.groups_per_step)
+    trainer.replay = ReplayActor.remote(cfg.replay.capacity, max_staleness, cfg.replay.groups_per_step, lag=lag)
     engine, trainer.learner = _Engine.remote(), _Group(_Learner.remote())
     trainer.engines = [engine]
     trainer.rollouts = [_Rollout.remote(trainer.replay, engine)]
@@ -213,6 +214,21 @@ def test_checkpoints_see_the_learner_right_after_their_step(tmp_path, ray_local_
         meta = json.loads((ckpts / name / "trainer.json").read_text())
         assert meta["version"] == meta["step"] == int(name[-6:])
         assert json.loads((ckpts / name / "learner" / "version.json").read_text()) == meta["version"]
+
+
+def test_fixed_lag_steps_train_on_exactly_the_lagged_version(tmp_path, ray_local_2cpu):
+    """replay.lag=1 through the real replay actor and refits: step s (counted from 1) trains on
+    tokens of version s - 2 only (the first two steps on the initial weights); each version is
+    loaded into the engines while the learner takes the next step."""
+    loads, steps, rows, _ = _run(tmp_path, max_staleness=1, steps=6, lag=1)
+    assert [v for v, _ in steps] == list(range(1, 7)) and [r["step"] for r in rows] == list(range(1, 7))
+    for r in rows:
+        assert r["replay/token_version_min"] == r["replay/token_version_max"] == max(r["step"] - 2, 0), r
+        assert r["replay/version_mismatch"] == 0
+    assert [v for v, _, _ in loads] == list(range(1, 7))  # every version in order; the last for the final eval
+    step_start = dict(steps)
+    overlapped = [v for v, start, _ in loads[:-1] if start < step_start[v + 1] + STEP_S]
+    assert len(overlapped) >= 3, f"the refits did not overlap the learner's steps: {steps} {loads}"
 
 
 def test_a_colocated_engine_that_cannot_wake_gets_a_diagnosis() -> None:

@@ -97,7 +97,9 @@ class TrainConfig(Section):
     follow admission order), each request sampled with its own seed (`rollout.sampling_seed`, the
     run's seed unless set) and every batch in task order. Costs the async speed-up: generation and
     training no longer overlap (`bench/async_vs_sync.py`: async made 3.3-3.4x the trajectories/s
-    of on-policy on 2 CPU cores with slow tools)."""
+    of on-policy on 2 CPU cores with slow tools). With `replay.lag` set it keeps that lag instead
+    (generation overlaps learning) and any number of rollout actors, and only sets the sampling
+    seed."""
     overlap_steps: Literal["auto", True, False] = "auto"
     """Queue the next learner step before the current one ends: its batch (taken from the replay
     queue for the version the learner will then hold, so the staleness bound is unchanged) and
@@ -239,9 +241,37 @@ class Config(Section):
     cluster: ClusterConfig = Field(default_factory=ClusterConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
 
+    def _check_lag(self) -> None:
+        """replay.lag's requirements (agentrl/replay/fixed_lag.py); the staleness bound becomes the lag."""
+        lag, conflicts = self.replay.lag, []
+        if "max_staleness" in self.replay.model_fields_set and self.replay.max_staleness < lag:
+            conflicts.append(f"replay.max_staleness={self.replay.max_staleness} (a lag of {lag} is a staleness of {lag}: "
+                             f"drop it or set it to {lag})")
+        if self.refit.interval != 1:
+            conflicts.append(f"refit.interval={self.refit.interval} (each step's batch needs its own version: use 1)")
+        if self.replay.dynamic_sampling:
+            conflicts.append("replay.dynamic_sampling=true (a batch is exactly its step's slots: turn it off)")
+        if self.train.overlap_steps is True:
+            conflicts.append("train.overlap_steps=true (use auto or false)")
+        if self.colocate.enabled and self.colocate.engine_sleep:
+            conflicts.append("colocate.engine_sleep=true (sleeping engines generate nothing while the learner steps)")
+        if lag >= 2:
+            from agentrl.weights.transports import resolve_transport
+
+            transport = resolve_transport(self.refit.transport, engine_on_gpu=self.engine.num_gpus > 0,
+                                          same_gpu=self.colocate.enabled and self.engine.num_gpus > 0)
+            if transport != "object_store":
+                conflicts.append(f"refit.transport={self.refit.transport} (resolves to {transport}; lag >= 2 "
+                                 "holds several exports of the weights: use object_store)")
+        if conflicts:
+            raise ValueError(f"replay.lag={lag} cannot run with " + "; ".join(conflicts))
+        object.__setattr__(self.replay, "max_staleness", lag)
+
     @model_validator(mode="after")
     def _cross_checks(self) -> Config:
-        if self.train.deterministic:
+        if self.replay.lag is not None:
+            self._check_lag()
+        if self.train.deterministic and self.replay.lag is None:
             changed = [f"{key} {old} -> {new}" for key, old, new in (
                 ("replay.max_staleness", self.replay.max_staleness, 0),
                 ("rollout.num_actors", self.rollout.num_actors, 1)) if old != new]
@@ -249,8 +279,8 @@ class Config(Section):
                 warnings.warn(f"train.deterministic: {', '.join(changed)}", stacklevel=2)
             object.__setattr__(self.replay, "max_staleness", 0)
             object.__setattr__(self.rollout, "num_actors", 1)
-            if self.rollout.sampling_seed is None:
-                object.__setattr__(self.rollout, "sampling_seed", self.seed)
+        if self.train.deterministic and self.rollout.sampling_seed is None:
+            object.__setattr__(self.rollout, "sampling_seed", self.seed)
         mc = self.learner.megatron
         if self.colocate.enabled and "cuda_graphs" in mc._auto:
             # The graphs' activation pools stay allocated beside the engine: at 1.5B on one H100 they

@@ -24,6 +24,7 @@ import ray
 
 from agentrl.config import Config, ConfigError
 from agentrl.learner.distill import reverse_kl_summary
+from agentrl.driver.fixed_lag import fixed_lag_loop
 from agentrl.driver.metrics import MetricsLogger, require_wandb
 from agentrl.model.loading import resolve_model_path as _resolve_model_path
 from agentrl.model.loading import tokenizer_vocab_limit
@@ -165,6 +166,7 @@ class Trainer(Supervision, WeightSync):
             wait_for_stragglers=cfg.replay.wait_for_stragglers, task_order=cfg.train.deterministic,
             dynamic_sampling=cfg.replay.dynamic_sampling,
             dynamic_sampling_max_dropped=cfg.replay.dynamic_sampling_max_dropped,
+            lag=cfg.replay.lag, seed_offset=cfg.rollout.seed_offset,
         )
         co = cfg.colocate
         self.transport = resolve_transport(cfg.refit.transport, engine_on_gpu=cfg.engine.num_gpus > 0,
@@ -343,7 +345,7 @@ class Trainer(Supervision, WeightSync):
                 summary.update(before)
             self.runs = [r.run.remote() for r in self.rollouts]
             try:
-                summary.update(self._loop(logger))
+                summary.update(self._loop(logger) if cfg.replay.lag is None else fixed_lag_loop(self, logger))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
                 # the learner or the replay queue (the actors whose state cannot be rebuilt) died
                 # outside a step, e.g. under a refit's export
