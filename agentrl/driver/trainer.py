@@ -23,16 +23,15 @@ from typing import Any
 import ray
 
 from agentrl.config import Config, ConfigError
-from agentrl.learner.distill import reverse_kl_summary
 from agentrl.driver.fixed_lag import fixed_lag_loop
 from agentrl.driver.metrics import MetricsLogger, require_wandb
-from agentrl.model.loading import resolve_model_path as _resolve_model_path
-from agentrl.model.loading import tokenizer_vocab_limit
-from agentrl.weights.transports import resolve_transport
-from agentrl.rollout.episode import summarize
 from agentrl.driver.supervision import Supervision
 from agentrl.driver.watchdog import RunStalled, RunStopped
+from agentrl.learner.distill import reverse_kl_summary
+from agentrl.model.loading import resolve_model_path as _resolve_model_path, tokenizer_vocab_limit
+from agentrl.rollout.episode import summarize
 from agentrl.weights.sync import WeightSync
+from agentrl.weights.transports import resolve_transport
 
 __all__ = ["Trainer"]
 
@@ -347,8 +346,7 @@ class Trainer(Supervision, WeightSync):
             try:
                 summary.update(self._loop(logger) if cfg.replay.lag is None else fixed_lag_loop(self, logger))
             except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-                # the learner or the replay queue (the actors whose state cannot be rebuilt) died
-                # outside a step, e.g. under a refit's export
+                # the learner or the replay queue (state that cannot be rebuilt) died outside a step
                 text = str(exc)
                 who = ("the learner" if "LearnerActor" in text else "the replay queue" if "ReplayActor" in text
                        else "an actor the run cannot replace")
