@@ -14,6 +14,7 @@ from .test_pipeline_e2e import REPO, e2e_overrides, read_rows
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.full  # the registry's module:name path: tests/test_custom_loss.py and test_registry.py; training: the e2e run
 def test_a_custom_loss_trains_in_the_quickstart_config(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     # (the session's tiny model has no induction pre-stage; the quickstart config asks for one)

@@ -16,6 +16,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.full  # replay.lag through the real replay actor and refits: test_trainer_loop's fixed-lag test
 def test_lag_one_trains_on_the_same_batches_with_a_slow_env_and_two_rollout_actors(tmp_path):
     import ray
     from safetensors.torch import load_file
