@@ -32,7 +32,7 @@ def test_config_defaults_off_and_refuses_what_cannot_run():
     cfg = load_config(None, [])
     assert not cfg.learner.lora.enabled
     assert load_config(None, ["learner.lora.rank=8"]).learner.lora.enabled
-    with pytest.raises(ConfigError, match="learner.lora needs learner.backend=torch"):
+    with pytest.raises(ConfigError, match=r"learner.lora needs a backend that trains LoRA adapters \(learner.backend=torch\)"):
         load_config(None, ["learner.lora.rank=8", "learner.backend=megatron"])
     with pytest.raises(ConfigError, match="lm_head cannot be adapted"):
         load_config(None, ["learner.lora.rank=8", "learner.lora.target_modules=[q_proj,lm_head]"])
