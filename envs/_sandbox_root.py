@@ -55,7 +55,13 @@ def _ldd_objects(objects: list[str]) -> list[str]:
     if shutil.which("ldd") is None:
         raise FileNotFoundError("the sandbox needs `ldd` (Debian package libc-bin) to find the interpreter's "
                                 "shared libraries")
-    out = subprocess.run(["ldd", *objects], capture_output=True, text=True, timeout=120, check=False).stdout
+    # The sandbox runs its interpreter with a cleared environment (bwrap --clearenv), so its loader sees
+    # no LD_PRELOAD or LD_LIBRARY_PATH: look the libraries up the same way. (vLLM's CPU platform sets
+    # LD_PRELOAD in the process that imports it; ldd would list those libraries too, from wherever the
+    # venv lies, e.g. under /tmp, where the sandbox mounts its own /tmp.)
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")}
+    out = subprocess.run(["ldd", *objects], capture_output=True, text=True, timeout=120, check=False,
+                         env=env).stdout
     found = set()
     for line in out.splitlines():
         if not line[:1].isspace():  # "path/of/object:" headers, not libraries

@@ -232,3 +232,19 @@ def test_a_run_in_flight_ends_when_the_launcher_dies():
     assert results and results[0].status == "crashed", results
     assert time.monotonic() - start < 10
     assert run_sandboxed("print(2)", LIMITS).describe() == "2"
+
+
+def test_the_sandbox_root_ignores_the_parents_ld_preload(tmp_path, monkeypatch):
+    """The sandbox's interpreter runs with a cleared environment, so a library the parent preloads
+    (vLLM's CPU platform sets LD_PRELOAD in the process that imports it) is not part of its root: it
+    would be placed at its path inside the root, and a venv under /tmp collides with the root's /tmp."""
+    import shutil
+
+    from agentrl.envs._sandbox_root import _contents
+
+    clean = _contents()
+    preloaded = tmp_path / "libpreloaded.so"
+    shutil.copy(next(lib for lib in clean[2] if "libm.so" in lib or "libc.so" in lib), preloaded)
+    monkeypatch.setenv("LD_PRELOAD", str(preloaded))
+    monkeypatch.setenv("LD_LIBRARY_PATH", str(tmp_path))
+    assert _contents() == clean
