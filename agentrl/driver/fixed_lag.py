@@ -12,6 +12,8 @@ from typing import Any
 
 from agentrl.replay.fixed_lag import batch_digest
 
+__all__ = ["fixed_lag_loop"]
+
 
 def fixed_lag_loop(tr: Any, logger: Any) -> dict[str, Any]:
     """The driver's loop with ``replay.lag`` (``tr``: the Trainer). Step ``k``: take its batch

@@ -29,14 +29,12 @@ from __future__ import annotations
 
 import hashlib
 import heapq
-import time
-from collections import deque
 from typing import Any, NamedTuple
 
 from agentrl.replay.queue import ReplayStats
 from agentrl.rollout.trajectory import TrajectoryGroup
 
-__all__ = ["FixedLagQueue", "Slot", "batch_digest", "fixed_lag_loop", "slot_seed"]
+__all__ = ["FixedLagQueue", "Slot", "batch_digest", "slot_seed"]
 
 
 class Slot(NamedTuple):
