@@ -40,3 +40,23 @@ def ray_local_2cpu():
     yield
     if started:
         ray.shutdown()
+
+
+@pytest.fixture
+def isolated_registries(monkeypatch):
+    """User modules (``my_*``, ``user_*``, ``examples.*``) are imported afresh by each test; what they
+    register in the loss, estimator and backend registries or add to sys.path goes away after it."""
+    import sys
+
+    from agentrl.config.registry import ADVANTAGE_ESTIMATORS, LEARNERS, LOSSES
+
+    registries = (LOSSES, ADVANTAGE_ESTIMATORS, LEARNERS)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    modules, entries = set(sys.modules), [dict(r._entries) for r in registries]
+    yield
+    for name in set(sys.modules) - modules:
+        if name.startswith(("my_", "user_", "examples")):
+            del sys.modules[name]
+    for registry, saved in zip(registries, entries):
+        registry._entries.clear()
+        registry._entries.update(saved)

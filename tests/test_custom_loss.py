@@ -12,26 +12,14 @@ import torch
 
 from agentrl.config import ConfigError, load_config
 from agentrl.docs import REPO, code_blocks
-from agentrl.config.registry import ADVANTAGE_ESTIMATORS, LEARNERS, LOSSES, check_components
+from agentrl.config.registry import LOSSES, check_components
 from agentrl.testing import check_policy_loss, loss_configs
 
 GUIDE = REPO / "docs" / "guides" / "custom-loss.md"
 EXAMPLE = REPO / "examples" / "custom_loss.py"
-REGISTRIES = (LOSSES, ADVANTAGE_ESTIMATORS, LEARNERS)
 
 
-@pytest.fixture(autouse=True)
-def isolated(monkeypatch):
-    """Modules imported here are imported afresh by each test; what they register goes away."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    modules, entries = set(sys.modules), [dict(r._entries) for r in REGISTRIES]
-    yield
-    for name in set(sys.modules) - modules:
-        if name.startswith(("my_", "examples")):
-            del sys.modules[name]
-    for registry, saved in zip(REGISTRIES, entries):
-        registry._entries.clear()
-        registry._entries.update(saved)
+pytestmark = pytest.mark.usefixtures("isolated_registries")
 
 
 def guide_blocks() -> list[str]:

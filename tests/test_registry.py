@@ -18,21 +18,9 @@ from agentrl.config.registry import (
     check_components,
 )
 
-REGISTRIES = (LOSSES, ADVANTAGE_ESTIMATORS, LEARNERS)
 
 
-@pytest.fixture(autouse=True)
-def isolated(monkeypatch):
-    """User modules are imported afresh in each test; what they register or add to sys.path goes away."""
-    monkeypatch.setattr(sys, "path", list(sys.path))
-    modules, entries = set(sys.modules), [dict(r._entries) for r in REGISTRIES]
-    yield
-    for name in set(sys.modules) - modules:
-        if name.startswith(("user_", "examples")):
-            del sys.modules[name]
-    for registry, saved in zip(REGISTRIES, entries):
-        registry._entries.clear()
-        registry._entries.update(saved)
+pytestmark = pytest.mark.usefixtures("isolated_registries")
 
 
 def user_module(tmp_path, monkeypatch, name: str, source: str) -> str:
