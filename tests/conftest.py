@@ -29,6 +29,29 @@ def tiny_family_dir(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def tiny_engine(tiny_model_dir):
+    """One vLLM engine of the tiny model (CPU, max_model_len 1024) on an event loop in a thread of
+    its own, shared by the session's tests that sample and score with a plain engine (a vLLM start
+    takes tens of seconds on 2 cores): ``(engine, server)``; ``server.run(coro)`` runs a coroutine
+    on the engine's loop. A test that loads other weights into it loads the base ones back."""
+    import asyncio
+
+    from agentrl.config import EngineConfig
+    from agentrl.engine.vllm_engine import VLLMEngine
+    from tests.endpoint_helpers import ServerThread
+
+    server = ServerThread()
+    engine = VLLMEngine(tiny_model_dir, EngineConfig(max_model_len=1024))
+    server.run(engine.start(), timeout=300)
+    yield engine, server
+    # The engine's client holds zmq sockets: left to the garbage collector, its context's term()
+    # blocks whichever later test happens to collect it (the whole suite then hangs).
+    server.loop.call_soon_threadsafe(engine.shutdown)
+    server.run(asyncio.sleep(0.5))
+    server.close()
+
+
 @pytest.fixture(scope="module")
 def ray_local_2cpu():
     """A local Ray of 2 CPUs for the module (started here unless one runs already)."""

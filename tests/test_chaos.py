@@ -219,7 +219,7 @@ def _children(proc: psutil.Process, name: str) -> list[psutil.Process]:
     return out
 
 
-@pytest.mark.full  # resume: test_interrupt_and_resume_continues
+@pytest.mark.full  # resume: test_resume_continues_a_run_from_its_last_checkpoint
 def test_learner_killed_mid_step_stops_with_its_cause_and_resume_continues(tiny_model_dir, tmp_path):
     run_dir = tmp_path / "run"
     steps = 8  # the kill lands at step 3 or 4, past the step-2 checkpoint (0.5 s a step on a quiet machine)

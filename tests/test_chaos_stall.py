@@ -122,7 +122,7 @@ def test_a_frozen_engine_core_is_found_by_its_progress_and_restarted(tiny_model_
     assert last["replay/consumed"] == steps * 2
 
 
-@pytest.mark.full  # a learner that stops the run: the chaos run's learner death and test_interrupt_and_resume_continues
+@pytest.mark.full  # a learner that stops the run: test_chaos's learner death (full too); resume: test_pipeline_e2e
 def test_a_frozen_learner_stops_the_run_with_its_diagnosis(tiny_model_dir, tmp_path):
     """The learner's state (weights, optimizer) lives in its process only: a frozen learner is
     diagnosed (unresponsive, its process stopped) and the run stops (exit 3), saying what

@@ -89,38 +89,31 @@ def test_task_order_lists_a_batch_by_task_not_by_arrival():
         assert [g.group_id for g in q.take(3, 0)] == expect
 
 
-def _seeded_crowd(model_dir: str, engine_args: dict | None = None) -> tuple[list[int], list[list[int]]]:
+def _seeded_crowd(engine, server) -> tuple[list[int], list[list[int]]]:
     """One seeded request alone, then the same request among 40 others whose prompts (200 tokens
     each) overflow one engine step's token budget; returns the lone tokens and the crowd's."""
     import asyncio
 
-    from agentrl.config import EngineConfig
-    from agentrl.engine.vllm_engine import VLLMEngine
-
     prompts = [[10 + (7 * k + i) % 200 for i in range(200)] for k in range(41)]
 
-    async def scenario():
-        eng = VLLMEngine(model_dir, EngineConfig(max_model_len=1024), engine_args=engine_args)
-        await eng.start()
-        try:
-            def one(k):
-                return eng.generate(prompts[k], max_tokens=12, temperature=1.0, ignore_eos=True, seed=1000 + k)
-            alone = (await one(0)).token_ids
-            crowd = await asyncio.gather(*(one(k) for k in range(41)))
-            return alone, [r.token_ids for r in crowd]
-        finally:
-            eng.shutdown()
+    def one(k):
+        return engine.generate(prompts[k], max_tokens=12, temperature=1.0, ignore_eos=True, seed=1000 + k)
 
-    return asyncio.run(scenario())
+    async def scenario():
+        alone = (await one(0)).token_ids
+        crowd = await asyncio.gather(*(one(k) for k in range(41)))
+        return alone, [r.token_ids for r in crowd]
+
+    return server.run(scenario(), timeout=600)
 
 
 @pytest.mark.slow
-def test_seeded_requests_survive_a_crowd_on_a_cpu_engine(tiny_model_dir):
+def test_seeded_requests_survive_a_crowd_on_a_cpu_engine(tiny_engine):
     """Seeded sampling on a CPU engine whose step cannot hold every prompt: with chunked prefill
     vLLM 0.32 rewinds the seeded requests' generators and a CPU generator has no offset, which
     killed the engine in the quickstart's held-out evaluation under train.deterministic (128
     episodes, 32 at once). The CPU engine prefills whole prompts; the request samples the same
     tokens alone and in the crowd."""
-    alone, crowd = _seeded_crowd(tiny_model_dir)
+    alone, crowd = _seeded_crowd(*tiny_engine)
     assert len(crowd) == 41 and all(len(t) == 12 for t in crowd)
     assert crowd[0] == alone

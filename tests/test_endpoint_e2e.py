@@ -4,7 +4,6 @@ endpoint trajectories, and three learner steps of a real run through the Agents 
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 from pathlib import Path
@@ -13,7 +12,7 @@ import pytest
 
 from agentrl.rollout.chat import ChatRenderer
 from agentrl.config import load_config
-from tests.endpoint_helpers import Sampled, ServerThread, check_exact_tokens, make_endpoint
+from tests.endpoint_helpers import Sampled, check_exact_tokens, make_endpoint
 
 pytestmark = pytest.mark.slow
 
@@ -50,15 +49,10 @@ class RecordingEngine:
 
 
 @pytest.fixture(scope="module")
-def real(tiny_model_dir):
+def real(tiny_model_dir, tiny_engine):
     from transformers import AutoTokenizer
 
-    from agentrl.engine.vllm_engine import VLLMEngine
-
-    cfg = load_config(None, [f"model.path={tiny_model_dir}", "engine.max_model_len=1024"])
-    server = ServerThread()
-    engine = VLLMEngine(tiny_model_dir, cfg.engine)
-    server.run(engine.start(), timeout=300)
+    engine, server = tiny_engine
     recording = RecordingEngine(engine)
     renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_model_dir))
     endpoint = make_endpoint(renderer, recording, ["rollout.max_new_tokens=24", "rollout.max_turns=3",
@@ -66,11 +60,6 @@ def real(tiny_model_dir):
     server.run(endpoint.start())
     yield endpoint, recording, server, tiny_model_dir
     server.run(endpoint.stop())
-    # The engine's client holds zmq sockets: left to the garbage collector, its context's term()
-    # blocks whichever later test happens to collect it (the whole suite then hangs).
-    server.loop.call_soon_threadsafe(engine.shutdown)
-    server.run(asyncio.sleep(0.5))
-    server.close()
 
 
 def _agent(solve):

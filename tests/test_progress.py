@@ -1,6 +1,6 @@
 """Training progress: plain lines where no terminal watches (agentrl/driver/progress.py).
 
-A real run's captured output is read in tests/test_pipeline_e2e.py (test_interrupt_and_resume_continues)."""
+A real run's captured output is read in tests/test_pipeline_e2e.py (test_resume_continues_a_run_from_its_last_checkpoint)."""
 
 import io
 

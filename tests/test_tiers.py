@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 # path -> (file under tests/, test function, the parametrized case that stays in the default tier)
 DEFAULT_TIER = {
     "train with refits": ("test_pipeline_e2e.py", "test_train_three_steps_with_refit", None),
-    "interrupt and resume": ("test_pipeline_e2e.py", "test_interrupt_and_resume_continues", None),
+    "resume": ("test_pipeline_e2e.py", "test_resume_continues_a_run_from_its_last_checkpoint", None),
     "engine death in a run": ("test_chaos.py", "test_frozen_engine_is_diagnosed_and_restarted", None),
     "engine restart": ("test_engine_actor.py", "test_restarted_engine_loads_current_weights_before_work", None),
     "endpoint over HTTP": ("test_endpoint_e2e.py", "test_openai_sdk_agent_exact_tokens_and_logprob_agreement", None),
@@ -24,6 +24,7 @@ DEFAULT_TIER = {
     "LoRA": ("test_lora_e2e.py", "test_lora_training_refits_the_adapter_and_engine_matches_learner", "nccl"),
     "long context": ("test_long_context_e2e.py", "test_long_episode_with_a_refit_inside_trains_as_sampled", None),
     "chaos": ("test_chaos.py", "test_every_group_is_accounted_for_and_none_trained_twice", None),
+    "stall detection": ("test_chaos_stall.py", "test_a_frozen_engine_core_is_found_by_its_progress_and_restarted", None),
     "distillation": ("test_distill.py", "test_train_with_a_teacher_and_dynamic_sampling", 3),
     "sandbox escape": ("test_sandbox_escape.py", "test_attack_is_contained", None),
     "docs": ("test_docs.py", "test_mkdocs_build_strict", None),
