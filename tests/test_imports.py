@@ -159,13 +159,10 @@ UPWARD = {
         "a config's tool_parser is checked against the parsers there are (tool_calls imports no agentrl module)",
     ("agentrl.config.registry", "agentrl.env.ids"):
         "a module:name component's module is imported as an env module is (deferred, in check_components)",
-    ("agentrl.config.loading", "agentrl.weights.transports"):
-        "refit.transport is checked against the placement (deferred; transports imports no agentrl module)",
     ("agentrl.model.tiny", "agentrl.learner.hf_forward"): "the tiny model's induction pretraining runs the learner's packed forward",
     ("agentrl.model.tiny", "agentrl.learner.optim"): "... with the learner's optimizer",
     ("agentrl.model.tiny", "agentrl.learner.packing"): "... on the learner's packed micro-batches",
-    ("agentrl.weights.vllm_worker", "agentrl.learner.lora"): "the engine merges a LoRA adapter as the learner does",
-    ("agentrl.weights.vllm_worker", "agentrl.learner.common"): "... and sizes its buffers as the learner does",
+    ("agentrl.weights.vllm_worker", "agentrl.learner.common"): "the engine reports its GPU memory as the learner does",
     ("agentrl.actors.watchdog", "agentrl.driver.watchdog"): "the probing actor uses the driver's deadlines and report",
 }
 BASE = {"agentrl", "agentrl._lazy", "agentrl.progress_watch"}  # stdlib-only helpers
