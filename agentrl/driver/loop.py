@@ -66,20 +66,20 @@ class Sequential:
     def __init__(self, tr: Any) -> None:
         self.tr = tr
 
-    def _batch(self) -> tuple[list[Any], float, float]:
+    def _batch(self) -> tuple[list[Any], float, float, bool]:
+        """The next batch: (its groups, when it was asked for, when it came, whether a refit is due)."""
         tr = self.tr
         t0 = time.perf_counter()
         take = tr.actors.replay.take.remote(tr.cfg.replay.groups_per_step, tr.version)
         tr.supervisor.check_rollouts()
         groups = tr.supervisor.take(take, step=tr.step, version=tr.version, on_stall=tr.save_checkpoint)
-        return groups, t0, time.perf_counter()
+        return groups, t0, time.perf_counter(), (tr.version + 1) % tr.cfg.refit.interval == 0
 
     def step(self, may_start: Callable[[int], bool], prev_end: float) -> StepDone | None:
         tr = self.tr
         if not may_start(tr.step):
             return None
-        groups, t0, t1 = self._batch()
-        refit_due = (tr.version + 1) % tr.cfg.refit.interval == 0
+        groups, t0, t1, refit_due = self._batch()
         metrics = tr.supervisor.learner_step(tr.actors.learner.train_step.remote(groups), groups, step=tr.step)
         t2 = time.perf_counter()
         tr.version += 1
@@ -96,8 +96,7 @@ class Colocated(Sequential):
         tr = self.tr
         if not may_start(tr.step):
             return None
-        groups, t0, t1 = self._batch()
-        refit_due = (tr.version + 1) % tr.cfg.refit.interval == 0
+        groups, t0, t1, refit_due = self._batch()
         # Level 2 drops the weights, which a full refit replaces (full fine-tuning, LoRA served
         # merged); an adapter refit keeps the base (level 1).
         sleep_s = tr.weights.sleep_engines(level=2 if refit_due and not tr.cfg.learner.lora.serves_adapter else 1)
