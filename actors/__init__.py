@@ -1,3 +1,3 @@
-"""Thin Ray actor shells around agentrl's core: engine, rollout, replay, learner."""
+"""Thin Ray actor shells around agentrl's core: engine, rollout, replay, learner, weight store."""
 
 __all__: list[str] = []

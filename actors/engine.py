@@ -1,9 +1,9 @@
 """Ray actor around :class:`agentrl.engine.vllm_engine.VLLMEngine`.
 
 Created with ``max_restarts=-1``: when the actor dies, Ray restarts it, and the first call on
-the new instance starts vLLM and loads the weights the engines currently serve (from the replay
-actor, which holds a reference to them) before it takes any work. The trainer names the replay
-actor rather than passing its handle: a constructor argument holding a reference makes Ray warn
+the new instance starts vLLM and loads the weights the engines currently serve (from the weight
+store, :mod:`agentrl.actors.weights`, which holds a reference to them) before it takes any work.
+The trainer names the store rather than passing its handle: a constructor argument holding a reference makes Ray warn
 that a restart could fail (ray-project/ray#53727), while a name is looked up afresh.
 """
 
@@ -27,8 +27,9 @@ class EngineActor(AsyncDiag):
     def __init__(self, model_path: str, cfg: EngineConfig, *, dtype: str = "float32", seed: int = 0,
                  weight_source: Any = None, enable_sleep_mode: bool = False, lora: Any = None,
                  compile_cache_dir: str | None = None, vocab_limit: int | None = None) -> None:
-        """``weight_source``: the replay actor (a handle, or the name of a named actor) whose
-        ``latest_weights`` a (re)started engine loads before it serves. ``compile_cache_dir``:
+        """``weight_source``: the weight store (:class:`agentrl.actors.weights.WeightStoreActor`, a
+        handle or the name of a named actor) whose ``latest_weights`` a (re)started engine loads
+        before it serves. ``compile_cache_dir``:
         torch-inductor's cache, shared by the run's engines (the trainer's, removed at its
         shutdown): vLLM compiles its sampler's rank count on the first request for logprobs (on
         CPU a C++ kernel and a ~150 MB precompiled header: bench/history/chaos-soak.md), which a
@@ -70,7 +71,7 @@ class EngineActor(AsyncDiag):
                 self._start_error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 raise
             self._start_error = ""
-            if isinstance(self.weight_source, str):  # a named actor (the trainer's replay actor)
+            if isinstance(self.weight_source, str):  # a named actor (the trainer's weight store)
                 self.weight_source = ray.get_actor(self.weight_source)
             if self.weight_source is not None:
                 version, refs = await self.weight_source.latest_weights.remote()

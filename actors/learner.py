@@ -303,6 +303,13 @@ class LearnerGroup:
             ]
         self.rank0 = self.actors[0]
 
+    def weight_group_address(self) -> tuple[str, int]:
+        """A free address on rank 0's node for the nccl refit transport's process group."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get(self.rank0.node_id.remote()), soft=False)
+        return ray.get(_address.options(scheduling_strategy=here).remote())
+
     def _all(self, method: str, *args: Any):
         refs = [getattr(a, method).remote(*args) for a in self.actors]
         return refs[0] if len(refs) == 1 else _first.remote(*refs)

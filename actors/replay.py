@@ -27,7 +27,6 @@ class ReplayActor(AsyncDiag):
                                  task_order=task_order, dynamic_sampling=dynamic_sampling,
                                  dynamic_sampling_max_dropped=dynamic_sampling_max_dropped)
         self._cond: asyncio.Condition | None = None
-        self._staged: tuple[int, list[Any]] = (0, [])  # (version, [ObjectRef]) wrapped: not resolved
         self._owned: dict[str, list[int]] = {}  # tickets in flight by the rollout actor that holds them
         self._gone: set[str] = set()  # owners abandoned: an admission they still wait for is refused
 
@@ -105,19 +104,11 @@ class ReplayActor(AsyncDiag):
             self.cond.notify_all()
             return batch  # type: ignore[return-value]
 
-    def stage_weights(self, version: int, weights: list[Any]) -> None:
-        """Where the newest weights are (``[ref]``), so an engine that (re)starts during or after a
-        refit loads them before taking work."""
-        self._staged = (version, list(weights))
-
     async def set_weights_version(self, version: int) -> None:
         """The engines now serve ``version``: admission control moves on."""
         async with self.cond:
             self.queue.set_weights_version(version)
             self.cond.notify_all()
-
-    def latest_weights(self) -> tuple[int, list[Any]]:
-        return self._staged
 
     def metrics(self) -> dict[str, float]:
         return self.queue.metrics()

@@ -177,7 +177,6 @@ def main() -> int:
     write()
 
     # The refit fault: SIGSTOP the engine just before it loads the new weights.
-    load_engines = trainer._load_engines
     freeze = threading.Event()
 
     def freezing(payload, version):
@@ -189,12 +188,10 @@ def main() -> int:
             note(f"SIGSTOP engine0 (pid {pid}) as the refit to version {version} loads")
         return load_engines(payload, version)
 
-    trainer._load_engines = freezing
-
     def freeze_core() -> None:
         """The engine's vLLM core (the actor's child process that samples) frozen while the actor
         answers its pings: found by its tokens standing still, killed with its actor, restarted."""
-        at, restarts = steps_done(run_dir), trainer.num_engine_restarts
+        at, restarts = steps_done(run_dir), trainer.supervisor.engine_restarts
         engine_pid = ray.get(trainer.engines[0].pid.remote(), timeout=120)
         cores = [p for p in psutil.Process(engine_pid).children(recursive=True) if "EngineCore" in " ".join(p.cmdline())]
         f = result["faults"]["core_freeze"] = {"at_step": at, "engine_pid": engine_pid, "core_pids": [p.pid for p in cores]}
@@ -207,7 +204,7 @@ def main() -> int:
         note(f"SIGSTOP engine0's core {f['core_pids']} (its actor, pid {engine_pid}, still answers) after step {at}")
         result["phase"] = "fault 3 (core freeze): waiting for the stall's restart"
         write()
-        got = wait_for(lambda: trainer.num_engine_restarts > restarts, "the stalled engine's restart")
+        got = wait_for(lambda: trainer.supervisor.engine_restarts > restarts, "the stalled engine's restart")
         f["detected_s"] = got
         f["stall_threshold_s"] = trainer.watchdog.stall_after("batch")
         result["phase"] = "fault 3 (core freeze): waiting for two more steps"
@@ -215,7 +212,7 @@ def main() -> int:
         f["two_steps_s"] = wait_for(lambda: steps_done(run_dir) > at + 1, "two steps after the core freeze")
         f["recovered_s"] = None if f["two_steps_s"] is None else time.perf_counter() - t0
         f["cores_left"] = [p.pid for p in cores if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        f["fault_metrics"] = trainer._fault_metrics()
+        f["fault_metrics"] = trainer.supervisor.fault_metrics()
 
     def inject() -> None:
         # The refit freeze first: it is found by a deadline, and no restart grace is running yet
@@ -230,13 +227,13 @@ def main() -> int:
             at = f["at_step"]
             result["phase"] = "fault 1 (refit freeze): waiting for the watchdog's kill"
             write()
-            got = wait_for(lambda: trainer.num_engine_restarts >= 1, "the frozen engine's kill")
+            got = wait_for(lambda: trainer.supervisor.engine_restarts >= 1, "the frozen engine's kill")
             f["detected_s"] = None if got is None else time.perf_counter() - f.get("t_stop", time.perf_counter())
             result["phase"] = "fault 1 (refit freeze): waiting for two more steps"
             write()
             f["next_step_s"] = wait_for(lambda: steps_done(run_dir) > at + 1, "two steps after the freeze")
             f["gpu_used_after_gib"] = gpu_used_gib()
-            f["fault_metrics"] = trainer._fault_metrics()
+            f["fault_metrics"] = trainer.supervisor.fault_metrics()
             if f["next_step_s"] is None:
                 return
             at = steps_done(run_dir)
@@ -245,8 +242,8 @@ def main() -> int:
             f["engine_pid"] = pid
             if args.cpu and not args.keep_staged:
                 # as under CUDA IPC or NCCL: nothing staged for the restarted engine to load
-                wait_for(lambda: trainer._refit_future is None or trainer._refit_future.done(), "the refit in flight", 120)
-                ray.get(trainer.replay.stage_weights.remote(trainer.engines_version, []), timeout=60)
+                wait_for(lambda: not trainer.weights.refit_in_flight(), "the refit in flight", 120)
+                ray.get(trainer.actors.weight_store.stage_weights.remote(trainer.weights.engines_version, []), timeout=60)
                 f["staged_weights_dropped"] = True
             os.kill(pid, signal.SIGKILL)
             t0 = time.perf_counter()
@@ -254,7 +251,7 @@ def main() -> int:
             result["phase"] = "fault 2 (engine kill): waiting for the next step"
             write()
             f["next_step_s"] = wait_for(lambda: steps_done(run_dir) > at, "a step after the kill")
-            f["catch_ups"] = trainer.num_engine_catch_ups
+            f["catch_ups"] = trainer.weights.engine_catch_ups
             result["phase"] = "fault 2 (engine kill): waiting for two more steps"
             write()
             if f["next_step_s"] is not None:
@@ -263,7 +260,7 @@ def main() -> int:
             f["restarted"] = new_pid != pid
             f["gpu_used_after_gib"] = gpu_used_gib()
             f["recovered_s"] = time.perf_counter() - t0 if f.get("two_steps_s") is not None else None
-            f["fault_metrics"] = trainer._fault_metrics()
+            f["fault_metrics"] = trainer.supervisor.fault_metrics()
             if args.core_freeze and f.get("two_steps_s") is not None:
                 freeze_core()
             result["phase"] = "faults done: waiting for the run to end"
@@ -284,6 +281,7 @@ def main() -> int:
     code = 1
     try:
         trainer.start()
+        load_engines, trainer.weights.load_engines = trainer.weights.load_engines, freezing  # start() built it
         signal.signal(signal.SIGTERM, on_term)  # again: ray.init installs its own
         result["start_s"] = time.perf_counter() - t_begin
         result["engine_start_s"] = trainer.engine_start_s  # a restart's grace is twice this
@@ -306,8 +304,8 @@ def main() -> int:
         injector.join(timeout=max(1.0, min(60.0, end + 30 - time.perf_counter())))
         result["steps_done"] = steps_done(run_dir)
         result["trainer_version"] = trainer.version
-        result["engines_version"] = trainer.engines_version
-        result["fault_metrics"] = trainer._fault_metrics()
+        result["engines_version"] = trainer.weights.engines_version
+        result["fault_metrics"] = trainer.supervisor.fault_metrics()
         result["phase_at_end"] = result["phase"]
         if runner.is_alive():
             result["hung"] = {"phase": result["phase"], "driver_stacks": driver_stacks(),

@@ -65,30 +65,29 @@ def chaos(tiny_model_dir, tmp_path_factory):
     out: dict = {"cfg": cfg, "run_dir": run_dir, "trained": [], "errors": []}
 
     # -- instrumentation: which groups each step trained on; a refit whose weights object is dropped
-    learner_step = trainer._learner_step
-
-    def record(ref, groups):
-        metrics = learner_step(ref, groups)
-        out["trained"].append([g.group_id for g in groups])
-        return metrics
-
-    trainer._learner_step = record
-    load_engines = trainer._load_engines
     drop = threading.Event()
 
-    def dropping(payload, version):
-        if drop.is_set():  # the weights' object is lost: its owner dies before the engines read it
-            from tests.watchdog_actors import Holder
+    def instrument() -> None:  # once start() has built the supervisor and the weights service
+        learner_step, load_engines = trainer.supervisor.learner_step, trainer.weights.load_engines
 
-            drop.clear()
-            holder = Holder.remote()
-            [payload] = ray.get(holder.hold.remote(payload))
-            ray.kill(holder)
-            time.sleep(1.0)
-            out["dropped_version"] = version
-        return load_engines(payload, version)
+        def record(ref, groups, **kw):
+            metrics = learner_step(ref, groups, **kw)
+            out["trained"].append([g.group_id for g in groups])
+            return metrics
 
-    trainer._load_engines = dropping
+        def dropping(payload, version):
+            if drop.is_set():  # the weights' object is lost: its owner dies before the engines read it
+                from tests.watchdog_actors import Holder
+
+                drop.clear()
+                holder = Holder.remote()
+                [payload] = ray.get(holder.hold.remote(payload))
+                ray.kill(holder)
+                time.sleep(1.0)
+                out["dropped_version"] = version
+            return load_engines(payload, version)
+
+        trainer.supervisor.learner_step, trainer.weights.load_engines = record, dropping
 
     def inject():
         try:
@@ -97,7 +96,7 @@ def chaos(tiny_model_dir, tmp_path_factory):
             pid = wd.pids["engine0"]
             os.kill(pid, signal.SIGSTOP)
             out["engine_stopped"] = (pid, time.perf_counter(), _steps(run_dir))
-            out["engine_detect_s"] = _wait_for(lambda: trainer.num_engine_restarts >= 1, 300, "the frozen engine's restart")
+            out["engine_detect_s"] = _wait_for(lambda: trainer.supervisor.engine_restarts >= 1, 300, "the frozen engine's restart")
             out["engine_recover_s"] = _wait_for(lambda: _steps(run_dir) > out["engine_stopped"][2], 600,
                                                 "a step after the engine's restart") + out["engine_detect_s"]
             at = _steps(run_dir)
@@ -105,10 +104,10 @@ def chaos(tiny_model_dir, tmp_path_factory):
             pid = wd.pids["rollout0"]
             os.kill(pid, signal.SIGKILL)
             out["rollout_killed"] = (pid, _steps(run_dir))
-            out["rollout_detect_s"] = _wait_for(lambda: trainer.num_rollout_restarts >= 1, 300, "the rollout's replacement")
+            out["rollout_detect_s"] = _wait_for(lambda: trainer.supervisor.rollout_restarts >= 1, 300, "the rollout's replacement")
             at = _steps(run_dir)
             drop.set()
-            _wait_for(lambda: trainer.num_refit_retries >= 1, 300, "the refit's retry")
+            _wait_for(lambda: trainer.weights.refit_retries >= 1, 300, "the refit's retry")
             out["refit_retry_step"] = at
             # a put past capacity (no admission ticket): refused, the queue unchanged
             before = ray.get(trainer.replay.metrics.remote())
@@ -128,6 +127,7 @@ def chaos(tiny_model_dir, tmp_path_factory):
 
     try:
         trainer.start()
+        instrument()
         t0 = time.perf_counter()
         thread = threading.Thread(target=inject, daemon=True)
         thread.start()
@@ -138,7 +138,7 @@ def chaos(tiny_model_dir, tmp_path_factory):
         out["engine_version"] = ray.get(trainer.engines[0].version.remote(), timeout=120)
         out["version"] = trainer.version
         out["rollout_stats"] = ray.get([r.stats.remote() for r in trainer.rollouts], timeout=120)
-        out["faults"] = trainer._fault_metrics()
+        out["faults"] = trainer.supervisor.fault_metrics()
         out["pids"] = {"engine0": ray.get(trainer.engines[0].pid.remote(), timeout=120),
                        "rollout0": ray.get(trainer.rollouts[0].ping.remote(), timeout=120)["pid"]}
         out["num_steps"] = trainer.cfg.train.num_steps
@@ -281,17 +281,13 @@ def test_engine_killed_without_staged_weights_gets_the_current_ones(tiny_model_d
     start_ray()
     trainer = Trainer(cfg, progress=False)
     out: dict = {}
-    load_engines = trainer._load_engines
-
     def killing(payload, version):
         load_engines(payload, version)
         if version == 2:  # the engines serve version 2 now; take it from them as a GPU transport would
-            ray.get(trainer.replay.stage_weights.remote(version, []))
+            ray.get(trainer.actors.weight_store.stage_weights.remote(version, []))
             pid = ray.get(trainer.engines[0].pid.remote())
             os.kill(pid, signal.SIGKILL)
             out["killed"] = (pid, time.perf_counter())
-
-    trainer._load_engines = killing
 
     def run():
         try:
@@ -302,11 +298,12 @@ def test_engine_killed_without_staged_weights_gets_the_current_ones(tiny_model_d
     runner = threading.Thread(target=run, daemon=True)
     try:
         trainer.start()
+        load_engines, trainer.weights.load_engines = trainer.weights.load_engines, killing
         runner.start()
         runner.join(timeout=900)  # the engine's restart is a vLLM start (a minute, several on a loaded machine)
         assert not runner.is_alive(), (f"no step since the kill: steps done {_steps(run_dir)}, "
-                                       f"faults {trainer._fault_metrics()}, last report:\n{trainer.watchdog.last_report}")
-        faults = trainer._fault_metrics()
+                                       f"faults {trainer.supervisor.fault_metrics()}, last report:\n{trainer.watchdog.last_report}")
+        faults = trainer.supervisor.fault_metrics()
         pid = ray.get(trainer.engines[0].pid.remote(), timeout=120)
         engine_version = ray.get(trainer.engines[0].version.remote(), timeout=120)
     finally:

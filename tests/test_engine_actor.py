@@ -20,15 +20,15 @@ def actors(tiny_model_dir):
     import ray
 
     from agentrl.actors.engine import EngineActor
-    from agentrl.actors.replay import ReplayActor
+    from agentrl.actors.weights import WeightStoreActor
     from agentrl.config import EngineConfig
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    replay = ReplayActor.remote(4, 1, 1)
+    store = WeightStoreActor.remote()
     engine = EngineActor.options(num_cpus=1, max_restarts=-1, max_task_retries=0).remote(
-        tiny_model_dir, EngineConfig(max_model_len=2048), weight_source=replay)
+        tiny_model_dir, EngineConfig(max_model_len=2048), weight_source=store)
     ray.get(engine.start.remote())
-    yield ray, engine, replay
+    yield ray, engine, store
     ray.shutdown()
 
 
@@ -44,7 +44,7 @@ def perturbed(tiny_model_dir, seed):
 
 
 def test_continue_mode_tags_tokens_with_the_version_that_made_them(actors, tiny_model_dir):
-    ray, engine, replay = actors
+    ray, engine, store = actors
     from transformers import AutoModelForCausalLM
 
     old = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
@@ -65,7 +65,7 @@ def test_continue_mode_tags_tokens_with_the_version_that_made_them(actors, tiny_
 
 
 def test_drain_mode_finishes_running_requests_on_old_weights(actors, tiny_model_dir):
-    ray, engine, replay = actors
+    ray, engine, store = actors
     newer = perturbed(tiny_model_dir, 2)
     ref = engine.generate.remote(list(range(5, 25)), 400, 1.0, 1.0, None, True)
     time.sleep(0.3)
@@ -76,11 +76,11 @@ def test_drain_mode_finishes_running_requests_on_old_weights(actors, tiny_model_
 
 
 def test_restarted_engine_loads_current_weights_before_work(actors, tiny_model_dir):
-    ray, engine, replay = actors
+    ray, engine, store = actors
     current = perturbed(tiny_model_dir, 3)
     weights_ref = ray.put(current.state_dict())
     ray.get(engine.update_weights.remote(weights_ref, 3, "continue"))
-    ray.get(replay.stage_weights.remote(3, [weights_ref]))
+    ray.get(store.stage_weights.remote(3, [weights_ref]))
     old_pid = ray.get(engine.pid.remote())
     ray.kill(engine, no_restart=False)
     ids = list(range(5, 60))

@@ -16,6 +16,7 @@ import random
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -182,59 +183,74 @@ class _Logger:
         self.rows.append((step, metrics))
 
 
-class _Driver:
-    """What fixed_lag_loop asks of the Trainer, over the stand-ins above."""
+class _Weights:
+    """What fixed_lag_loop asks of the weights service (agentrl.weights.sync.WeightService)."""
 
-    def __init__(self, cfg, delays: _Delays, num_workers: int) -> None:
-        self.cfg, self.step, self.version, self.progress, self.watchdog = cfg, 0, 0, False, None
-        self.queue = FixedLagQueue(cfg.replay.capacity, cfg.replay.lag, cfg.replay.groups_per_step, seed_offset=7)
-        self.replay, self.engine, self.learner = _Replay(self.queue), _Engine(delays), _Learner(delays)
-        self._refit_pool = ThreadPoolExecutor(max_workers=1)
-        self._refit_future: Future | None = None
-        self._last_refit_s, self.engines_unavailable_at_refit, self.engines_version = 0.0, 0, 0
-        self.consumed: list[list[TrajectoryGroup]] = []
-        self.workers = [threading.Thread(target=_rollout_worker, args=(self.replay, self.engine, delays), daemon=True)
-                        for _ in range(num_workers)]
+    def __init__(self, replay: _Replay, engine: _Engine, learner: _Learner) -> None:
+        self.replay, self.engine, self.learner = replay, engine, learner
+        self._pool = ThreadPoolExecutor(max_workers=1)
+        self._future: Future | None = None
+        self.last_refit_s, self.engines_unavailable, self.engines_version = 0.0, 0, 0
 
-    def _export(self) -> Future:
+    def export(self) -> Future:
         return self.learner.export_for_refit.remote("object_store")
 
-    def _refit_engines(self, payload: Future, version: int) -> float:
+    def refit_engines(self, payload: Future, version: int) -> float:
         self.engine.load(payload.result(timeout=TIMEOUT_S), version)
         self.replay.set_weights_version(version)
         self.engines_version = version
         return 0.0
 
-    def _wait_refit(self) -> float:
-        future, self._refit_future = self._refit_future, None
+    def submit(self, payload: Future, version: int) -> None:
+        self._future = self._pool.submit(self.refit_engines, payload, version)
+
+    def wait(self) -> float:
+        future, self._future = self._future, None
         if future is not None:
-            self._last_refit_s = future.result(timeout=TIMEOUT_S)
+            self.last_refit_s = future.result(timeout=TIMEOUT_S)
         return 0.0
 
-    def refit(self) -> float:
-        self._wait_refit()
-        self._refit_engines(self._export(), self.version)
+    def refit(self, version: int) -> float:
+        self.wait()
+        self.refit_engines(self.export(), version)
         return 0.0
 
-    def _take(self, ref: Future) -> list[TrajectoryGroup]:
+
+class _Supervisor:
+    """What fixed_lag_loop asks of the supervisor (agentrl.driver.supervision.Supervisor)."""
+
+    def __init__(self) -> None:
+        self.consumed: list[list[TrajectoryGroup]] = []
+
+    def take(self, ref: Future, **kw) -> list[TrajectoryGroup]:
         batch = ref.result(timeout=TIMEOUT_S)
         self.consumed.append(batch)
         return batch
 
-    def _learner_step(self, ref: Future, groups) -> dict[str, float]:
+    def learner_step(self, ref: Future, groups, **kw) -> dict[str, float]:
         return ref.result(timeout=TIMEOUT_S)
 
-    def _get(self, kind: str, ref: Future, what: str, **kw) -> Any:
+    def get(self, kind: str, ref: Future, what: str, **kw) -> Any:
         return ref.result(timeout=TIMEOUT_S)
 
-    def _stop_if_signalled(self) -> None:
+    def check_rollouts(self) -> None:
         pass
 
-    def _check_rollouts(self) -> None:
-        pass
-
-    def _fault_metrics(self) -> dict[str, float]:
+    def fault_metrics(self) -> dict[str, float]:
         return {}
+
+
+class _Driver:
+    """What fixed_lag_loop asks of the Trainer, over the stand-ins above."""
+
+    def __init__(self, cfg, delays: _Delays, num_workers: int) -> None:
+        self.cfg, self.step, self.version, self.progress = cfg, 0, 0, False
+        self.queue = FixedLagQueue(cfg.replay.capacity, cfg.replay.lag, cfg.replay.groups_per_step, seed_offset=7)
+        self.replay, self.engine, self.learner = _Replay(self.queue), _Engine(delays), _Learner(delays)
+        self.actors = SimpleNamespace(replay=self.replay, learner=self.learner, watchdog=None)
+        self.weights, self.supervisor = _Weights(self.replay, self.engine, self.learner), _Supervisor()
+        self.workers = [threading.Thread(target=_rollout_worker, args=(self.replay, self.engine, delays), daemon=True)
+                        for _ in range(num_workers)]
 
     def save_checkpoint(self) -> None:
         pass
@@ -249,7 +265,7 @@ class _Driver:
             self.replay.stop()
             for w in self.workers:
                 w.join(timeout=TIMEOUT_S)
-        return self.consumed, self.learner.weights, logger.rows
+        return self.supervisor.consumed, self.learner.weights, logger.rows
 
 
 def _fingerprint(batches: list[list[TrajectoryGroup]]) -> list:

@@ -185,6 +185,7 @@ def test_colocated_pipeline_engine_matches_megatron_learner(tiny_model_dir, tmp_
     import ray
 
     from agentrl.config import load_config
+    from agentrl.driver.loop import sleeping_engines
     from agentrl.driver.trainer import Trainer
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs" / "gpu_1x.yaml", [
@@ -195,7 +196,7 @@ def test_colocated_pipeline_engine_matches_megatron_learner(tiny_model_dir, tmp_
     trainer = Trainer(cfg, progress=False)
     try:
         trainer.start()
-        assert trainer.transport == "cuda_ipc" and trainer.sleeping_engines
+        assert trainer.weights.transport == "cuda_ipc" and sleeping_engines(trainer.cfg)
         before = _engine_vs_learner(trainer, cfg.rollout.temperature)
         before_t1 = _engine_vs_learner(trainer, 1.0)
         summary = trainer.run()

@@ -159,15 +159,10 @@ UPWARD = {
         "a config's tool_parser is checked against the parsers there are (tool_calls imports no agentrl module)",
     ("agentrl.config.registry", "agentrl.env.ids"):
         "a module:name component's module is imported as an env module is (deferred, in check_components)",
-    ("agentrl.config.loading", "agentrl.weights.transports"):
-        "refit.transport is checked against the placement (deferred; transports imports no agentrl module)",
     ("agentrl.model.tiny", "agentrl.learner.hf_forward"): "the tiny model's induction pretraining runs the learner's packed forward",
     ("agentrl.model.tiny", "agentrl.learner.optim"): "... with the learner's optimizer",
     ("agentrl.model.tiny", "agentrl.learner.packing"): "... on the learner's packed micro-batches",
-    ("agentrl.weights.vllm_worker", "agentrl.learner.lora"): "the engine merges a LoRA adapter as the learner does",
-    ("agentrl.weights.vllm_worker", "agentrl.learner.common"): "... and sizes its buffers as the learner does",
-    ("agentrl.weights.sync", "agentrl.driver.watchdog"): "the driver's side of a refit stops with the driver's RunStopped",
-    ("agentrl.weights.sync", "agentrl.actors.learner"): "... and reaches the learner actor's address for the nccl group",
+    ("agentrl.weights.vllm_worker", "agentrl.learner.common"): "the engine reports its GPU memory as the learner does",
     ("agentrl.actors.watchdog", "agentrl.driver.watchdog"): "the probing actor uses the driver's deadlines and report",
 }
 BASE = {"agentrl", "agentrl._lazy", "agentrl.progress_watch"}  # stdlib-only helpers
@@ -175,7 +170,7 @@ BASE = {"agentrl", "agentrl._lazy", "agentrl.progress_watch"}  # stdlib-only hel
 # module defers them into the function that needs them.
 MODULE_LEVEL = {
     "ray": {"agentrl.actors.engine", "agentrl.actors.learner", "agentrl.actors.placement",
-            "agentrl.actors.replay", "agentrl.actors.rollout", "agentrl.actors.watchdog",
+            "agentrl.actors.replay", "agentrl.actors.rollout", "agentrl.actors.watchdog", "agentrl.actors.weights",
             "agentrl.driver.supervision", "agentrl.driver.trainer", "agentrl.weights.sync"},
     "vllm": set(),
     "megatron": {"agentrl.learner.megatron.attention", "agentrl.learner.megatron.model"},
@@ -224,11 +219,13 @@ def test_floors_match_roles():
     graph = import_graph(modules)
     importers_of_trainer = {m for m, deps in graph.items() if "agentrl.driver.trainer" in deps}
     assert importers_of_trainer <= {"agentrl.driver.pipeline", "agentrl.trainer"}, importers_of_trainer
-    # the loop's fault handling (supervision) and its weight syncs (weights.sync) are parts of the
-    # driver that only the loop imports
-    for part in ("agentrl.driver.supervision", "agentrl.weights.sync"):
+    # the run's fault handling (supervision) and its weight syncs (weights.sync) are parts of the
+    # driver: the trainer composes them, and the loop's modes use the supervisor's waits
+    parts = {"agentrl.driver.supervision": {"agentrl.driver.trainer", "agentrl.driver.loop", "agentrl.driver.fixed_lag"},
+             "agentrl.weights.sync": {"agentrl.driver.trainer"}}
+    for part, users in parts.items():
         importers = {m for m, deps in graph.items() if part in deps}
-        assert importers <= {"agentrl.driver.trainer"}, (part, importers)
+        assert importers <= users, (part, importers)
     may_use_ray = MODULE_LEVEL["ray"]
     for name, path in modules.items():
         external = _external_imports(path)
@@ -382,7 +379,7 @@ def test_load_hf_model_keeps_its_learner_path():
 
 
 @pytest.mark.parametrize("module", ["agentrl.model.loading", "agentrl.learner.optim", "agentrl.driver.progress",
-                                    "agentrl.learner.lora", "agentrl._lazy"])
+                                    "agentrl.learner.lora", "agentrl._lazy", "agentrl.weights.store"])
 def test_doctests(module):
     import importlib
 

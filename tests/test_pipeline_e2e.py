@@ -306,7 +306,7 @@ def train_and_score(cfg, extra=None) -> dict:
         before = ray.get(engine.score.remote(fixed))
         trainer.run()
         return {
-            "transport": trainer.transport, "version": trainer.version,
+            "transport": trainer.weights.transport, "version": trainer.version,
             "engine_version": ray.get(engine.version.remote()), "before": before,
             "after": ray.get(engine.score.remote(fixed)),
             "learner": ray.get(trainer.learner.logprobs.remote([Trajectory(

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import psutil
@@ -167,39 +168,35 @@ def test_a_slow_engine_that_keeps_sampling_is_not_stalled(tmp_path):
 
 
 def test_the_recovery_restarts_a_stalled_engine_and_waits_on_a_busy_one():
-    from agentrl.driver.supervision import Supervision
+    from agentrl.driver.state import RunActors
+    from agentrl.driver.supervision import Supervisor
 
-    class Driver(Supervision):
+    class Driver(Supervisor):
         def __init__(self):
-            self.engines_version, self.transport = 1, "object_store"
-            self.num_engine_restarts = 0
+            watchdog = SimpleNamespace(ledger=ProgressLedger(), process_alive=lambda name, pid: True,
+                                       grace=lambda s: None)
+            actors = RunActors(replay="r", learner=SimpleNamespace(actors=["l"]), engines=["handle0", "handle1"],
+                               watchdog=watchdog)
+            super().__init__(load_config(None, []), actors, make_rollout=None, ckpt_dir=Path("unused"), overlap=False,
+                             engine_start_s=10.0)
+            self.weights = SimpleNamespace(engines_version=1, transport="object_store")
             self.killed: list[str] = []
-            self.watchdog = SimpleNamespace(ledger=ProgressLedger(), process_alive=lambda name, pid: True,
-                                            grace=lambda s: None)
-            self.cfg = load_config(None, [])
-            self.engine_start_s = 10.0
 
-        def named_actors(self):
-            return {"engine0": "handle0", "engine1": "handle1", "learner0": "l"}
-
-        def _kill_frozen(self, report, handle):
+        def kill_frozen(self, report, handle):
             self.killed.append(handle)
             return "SIGKILLed pids 99; none left"
-
-        def overlap_steps(self):
-            return False
 
     d = Driver()
     stalled = ActorReport("engine0", "stalled", 5, status={"requests_in_flight": 16, "core": "VLLM::EngineCore pid 99 "
                                                            "state T (stopped)"}, error="stalled: ...")
     busy = ActorReport("engine1", "busy", 6, status={"requests_in_flight": 3})
-    assert d._recover([stalled, busy, ActorReport("learner0", "idle", 7)])
-    assert d.killed == ["handle0"] and d.num_engine_restarts == 1
+    assert d.recover([stalled, busy, ActorReport("learner0", "idle", 7)])
+    assert d.killed == ["handle0"] and d.engine_restarts == 1
     assert stalled.action == "killed; Ray restarts it and it loads the current weights (SIGKILLed pids 99; none left)"
     assert busy.action == ""
     # nothing stalled, every actor answering: waited again (as before), nothing killed
     busy2 = ActorReport("engine1", "busy", 6, status={"requests_in_flight": 3})
-    assert d._recover([busy2]) and busy2.action == "busy and answering: waiting again" and d.killed == ["handle0"]
+    assert d.recover([busy2]) and busy2.action == "busy and answering: waiting again" and d.killed == ["handle0"]
 
 
 _TREE = """
@@ -214,7 +211,8 @@ def test_a_stopped_core_is_described_from_proc_and_killed_with_its_parent_leavin
     """An engine actor's process with a child (its vLLM core) frozen with SIGSTOP: /proc names the
     child's state, and the kill ends both (SIGKILL by pid; the parent's death alone ends no child)."""
     import agentrl.driver.supervision
-    from agentrl.driver.supervision import Supervision
+    from agentrl.driver.state import RunActors
+    from agentrl.driver.supervision import Supervisor
 
     asked = []
     monkeypatch.setattr(agentrl.driver.supervision.ray, "kill", lambda handle, no_restart=True: asked.append(handle))
@@ -226,11 +224,9 @@ def test_a_stopped_core_is_described_from_proc_and_killed_with_its_parent_leavin
         [proc] = describe_processes(parent.pid)
         assert proc["pid"] == core and proc["state"] == "T (stopped)" and proc["threads"] == {"T": 1}
 
-        class Driver(Supervision):
-            watchdog = SimpleNamespace(is_same_process=lambda name, pid: True)
-            cfg = load_config(None, [])
-
-        text = Driver()._kill_frozen(ActorReport("engine0", "stalled", parent.pid), handle="actor0")
+        sup = Supervisor(load_config(None, []), RunActors(watchdog=SimpleNamespace(is_same_process=lambda name, pid: True)),
+                         make_rollout=None, ckpt_dir=Path("unused"), overlap=False)
+        text = sup.kill_frozen(ActorReport("engine0", "stalled", parent.pid), handle="actor0")
         assert asked == ["actor0"]  # Ray is told too (it restarts the actor)
         parent.wait(timeout=10)  # reaped here (our child); the core by whoever adopted it
         assert f"SIGKILLed pids {core}, {parent.pid}" in text and "none left" in text, text

@@ -4,8 +4,8 @@
   token auth on by default and says so unless ``RAY_AUTH_MODE`` names the mode before Ray is
   imported (``agentrl.driver.pipeline`` names it: ``token``, the same secure default).
 * core_worker's ``E`` line "has constructor arguments in the object store and max_restarts > 0":
-  a restartable engine actor given the replay actor's *handle* (an inlined reference); the
-  trainer now passes the replay actor's name.
+  a restartable engine actor given the weight store's *handle* (an inlined reference); the
+  trainer now passes the weight store's name.
 
 Each case runs in a fresh interpreter (Ray reads ``RAY_AUTH_MODE`` once, at import) and starts a
 local cluster as the trainer does; the old wiring is run too, so the test shows it can see both
@@ -36,11 +36,11 @@ SCRIPT = textwrap.dedent("""
         _explicit_ray_auth_mode(load_config(None))
     import ray
     from agentrl.actors.engine import EngineActor
-    from agentrl.actors.replay import ReplayActor
+    from agentrl.actors.weights import WeightStoreActor
     from agentrl.config import EngineConfig
     ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    replay = ReplayActor.options(num_cpus=0, name="replay-under-test").remote(4, 1, 1)
-    source = "replay-under-test" if wiring == "trainer" else replay
+    store = WeightStoreActor.options(num_cpus=0, name="weights-under-test").remote()
+    source = "weights-under-test" if wiring == "trainer" else store
     engine = EngineActor.options(num_cpus=0, max_restarts=-1, max_task_retries=0).remote(
         "unused-model-path", EngineConfig(), weight_source=source)
     print("engine version", ray.get(engine.version.remote()))

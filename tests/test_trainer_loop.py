@@ -120,7 +120,8 @@ def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = Fal
          driver_delay_s: float = 0.0, checkpoint_interval: int = 0,
          lag: int | None = None) -> tuple[list, list, list[dict], list[float]]:
     from agentrl.actors.replay import ReplayActor
-
+    from agentrl.actors.weights import WeightStoreActor
+    from agentrl.driver.state import RunActors
     from agentrl.driver.trainer import Trainer
 
     cfg = load_config(None, [
@@ -130,29 +131,30 @@ def _run(tmp_path: Path, max_staleness: int, steps: int = 6, overlap: bool = Fal
         f"train.overlap_steps={str(overlap).lower()}", *([f"replay.lag={lag}"] if lag is not None else []),
     ])
     trainer = Trainer(cfg, model_path="unused", progress=False)
-    trainer.replay = ReplayActor.remote(cfg.replay.capacity, max_staleness, cfg.replay.groups_per_step, lag=lag)
-    engine, trainer.learner = _Engine.remote(), _Group(_Learner.remote())
-    trainer.engines = [engine]
-    trainer.rollouts = [_Rollout.remote(trainer.replay, engine)]
+    replay = ReplayActor.remote(cfg.replay.capacity, max_staleness, cfg.replay.groups_per_step, lag=lag)
+    engine, store = _Engine.remote(), WeightStoreActor.remote()
+    ray.get(store.node_id.remote())  # up before the first refit, as a run's is (its engines read it as they start)
+    trainer.use_actors(RunActors(replay=replay, learner=_Group(_Learner.remote()), engines=[engine],
+                                 rollouts=[_Rollout.remote(replay, engine)], weight_store=store))
     trainer.actors_started = True
     assert trainer.overlap_steps() is overlap
     if driver_delay_s:  # a slow driver (logging, metrics): the learner should not wait for it
-        import agentrl.driver.trainer as trainer_module
+        import agentrl.driver.loop as loop_module  # the per-step metrics are the loop's
 
-        summarize = trainer_module.summarize
+        summarize = loop_module.summarize
 
         def slow_summarize(trajs):
             time.sleep(driver_delay_s)
             return summarize(trajs)
 
-        trainer_module.summarize = slow_summarize
+        loop_module.summarize = slow_summarize
     try:
         trainer.run()
         loads, learner_steps = ray.get(engine.get_loads.remote()), ray.get(trainer.learner.get_steps.remote())
         gaps = ray.get(trainer.learner.get_gaps.remote())
     finally:
         if driver_delay_s:
-            trainer_module.summarize = summarize
+            loop_module.summarize = summarize
         trainer.shutdown()
     rows = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
     return loads, learner_steps, [r for r in rows if "train/loss" in r], gaps
@@ -234,27 +236,24 @@ def test_fixed_lag_steps_train_on_exactly_the_lagged_version(tmp_path, ray_local
 def test_a_colocated_engine_that_cannot_wake_gets_a_diagnosis() -> None:
     """vLLM's raw 'CUDA Error: out of memory' on wake becomes a message that names the engine's share,
     what the learner holds, and the settings that make room; any other failure passes through."""
-    from types import SimpleNamespace
-
-    from agentrl.driver.trainer import Trainer
+    from agentrl.driver.loop import wake_failure
 
     cfg = load_config(Path(__file__).resolve().parents[1] / "configs/gpu_1x.yaml", ["engine.gpu_memory_utilization=0.5"])
-    me = SimpleNamespace(cfg=cfg)
     oom = Exception("Call to wake_up method failed: CUDA Error: out of memory at cumem_allocator.cpp:163")
-    err = Trainer._wake_failure(me, oom, {"reserved_gib": 31.5})
+    err = wake_failure(cfg, oom, {"reserved_gib": 31.5})
     assert isinstance(err, RuntimeError)
     assert "engine.gpu_memory_utilization=0.5" in str(err) and "31.5 GiB" in str(err)
     assert "activation_checkpointing" in str(err)
     other = ValueError("engine died")
-    assert Trainer._wake_failure(me, other, {}) is other
+    assert wake_failure(cfg, other, {}) is other
     # an engine Ray restarted while the learner holds the GPU fails vLLM's start-up check instead
     start = ValueError("Free memory on device cuda:0 (20.1/79.2 GiB) on startup is less than desired GPU memory "
                        "utilization (0.5, 39.6 GiB). Decrease GPU memory utilization or reduce GPU memory used by "
                        "other processes.")
-    err = Trainer._wake_failure(me, start, {"reserved_gib": 31.5})
+    err = wake_failure(cfg, start, {"reserved_gib": 31.5})
     assert isinstance(err, RuntimeError) and "a restarted engine could not start" in str(err) and "31.5 GiB" in str(err)
     # the watchdog's stop keeps its report and its exit status (3), whatever stacks it quotes
     from agentrl.driver.watchdog import RunStalled
 
     stalled = RunStalled("waiting for engine0.wake_up ... stacks: _alloc (torch out of memory handler)")
-    assert Trainer._wake_failure(me, stalled, {"reserved_gib": 31.5}) is stalled
+    assert wake_failure(cfg, stalled, {"reserved_gib": 31.5}) is stalled

@@ -159,25 +159,25 @@ def test_a_long_evaluation_that_samples_is_not_a_stall(ray_local, tmp_path):
     from tests.watchdog_actors import Sampler
 
     from agentrl.actors.watchdog import Watchdog
-    from agentrl.driver.supervision import Supervision
+    from agentrl.driver.state import RunActors
+    from agentrl.driver.supervision import Supervisor
     from agentrl.driver.watchdog import RunStalled
 
-    class Driver(Supervision):  # the Trainer's state that the eval wait reads
-        def __init__(self, engines, watchdog):
-            self.engines, self.watchdog = engines, watchdog
-            self.cfg = load_config(None, ["watchdog.ping_timeout_s=5"])
-
-        def _recover(self, reports):
+    class Driver(Supervisor):  # the supervisor of a run whose eval wait is watched
+        def recover(self, reports):
             return False  # nothing to restart: an alarm stops the wait
 
     engine = Sampler.remote()
     ray.get(engine.ping.remote())
     cfg = WatchdogConfig(floor_s=1, first_s=1, ping_timeout_s=5, max_recoveries=0)
-    driver = Driver([engine], Watchdog(cfg, lambda: {"engine0": engine}, tmp_path, out=lambda msg: None))
-    assert driver._get("eval", engine.work.remote(5, 200), "the evaluation", progress=driver._sampling_progress) == 3
+    actors = RunActors(engines=[engine],
+                       watchdog=Watchdog(cfg, lambda: {"engine0": engine}, tmp_path, out=lambda msg: None))
+    driver = Driver(load_config(None, ["watchdog.ping_timeout_s=5"]), actors, make_rollout=None, ckpt_dir=tmp_path,
+                    overlap=False)
+    assert driver.get("eval", engine.work.remote(5, 200), "the evaluation", progress=driver.sampling_progress) == 3
     assert driver.watchdog.num_alarms == 0
     with pytest.raises(RunStalled, match="the evaluation"):
-        driver._get("eval", engine.work.remote(60, 0), "the evaluation", progress=driver._sampling_progress)
+        driver.get("eval", engine.work.remote(60, 0), "the evaluation", progress=driver.sampling_progress)
     assert driver.watchdog.num_alarms == 1
 
 
@@ -238,10 +238,10 @@ def test_a_sigterm_dropped_inside_a_finalizer_still_stops_the_loop():
     # it at the next step (a SIGTERM test of a whole run once trained on to the end this way).
     import gc
 
-    from agentrl.driver.supervision import Supervision
+    from agentrl.driver.supervision import SigtermAsInterrupt, stop_if_signalled
 
-    sup = Supervision()
-    sup._take_sigterm()
+    sig = SigtermAsInterrupt()
+    sig.take()
     try:
         class Dropper:
             def __del__(self):
@@ -253,7 +253,7 @@ def test_a_sigterm_dropped_inside_a_finalizer_still_stops_the_loop():
         del d
         gc.collect()
         with pytest.raises(KeyboardInterrupt, match="stopped by signal SIGTERM"):
-            sup._stop_if_signalled()
+            stop_if_signalled()
     finally:
-        sup._give_back_sigterm()
-    sup._stop_if_signalled()  # given back: nothing pending
+        sig.give_back()
+    stop_if_signalled()  # given back: nothing pending

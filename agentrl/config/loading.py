@@ -256,7 +256,7 @@ class Config(Section):
         if self.colocate.enabled and self.colocate.engine_sleep:
             conflicts.append("colocate.engine_sleep=true (sleeping engines generate nothing while the learner steps)")
         if lag >= 2:
-            from agentrl.weights.transports import resolve_transport
+            from agentrl.config.training import resolve_transport
 
             transport = resolve_transport(self.refit.transport, engine_on_gpu=self.engine.num_gpus > 0,
                                           same_gpu=self.colocate.enabled and self.engine.num_gpus > 0)
@@ -365,7 +365,7 @@ class Config(Section):
                                  f"(<= 1); engine.num_engines ({self.engine.num_engines}) are dealt over the "
                                  f"learner's {world} GPU(s)")
         if self.refit.transport != "auto":
-            from agentrl.weights.transports import resolve_transport
+            from agentrl.config.training import resolve_transport
 
             resolve_transport(self.refit.transport, engine_on_gpu=self.engine.num_gpus > 0,
                               same_gpu=co.enabled and self.engine.num_gpus > 0)

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from agentrl.config.base import Section
 from agentrl.config.registry import ADVANTAGE_ESTIMATORS, LOSSES
 
-__all__ = ["AdvantageConfig", "ColocateConfig", "DistillConfig", "ImportanceSamplingConfig", "KLConfig", "LossConfig", "PackingConfig", "RefitConfig", "ReplayConfig", "WatchdogConfig"]
+__all__ = ["AdvantageConfig", "ColocateConfig", "DistillConfig", "ImportanceSamplingConfig", "KLConfig", "LossConfig", "PackingConfig", "RefitConfig", "ReplayConfig", "TRANSPORTS", "Transport", "WatchdogConfig", "resolve_transport"]
 
 
 class ReplayConfig(Section):
@@ -156,6 +156,40 @@ class PackingConfig(Section):
     """Pad every sequence to a multiple of this (2*cp for context parallelism)."""
     logprob_chunk_size: int = Field(1024, ge=1)
     """Tokens per chunk when computing logprobs, so no full [T, vocab] float32 tensor exists."""
+
+
+Transport = Literal["object_store", "cuda_ipc", "nccl"]
+TRANSPORTS: dict[str, str] = {
+    "object_store": "CPU tensors through the Ray object store (any placement, slowest)",
+    "cuda_ipc": "a CUDA IPC handle of one flat GPU buffer (learner and engine on one GPU)",
+    "nccl": "a broadcast from the learner's rank 0 to the engines' workers (different GPUs or nodes)",
+}
+
+
+def resolve_transport(requested: str, *, engine_on_gpu: bool, same_gpu: bool) -> Transport:
+    """The transport a refit uses (``refit.transport`` for a placement; the transports themselves
+    are :mod:`agentrl.weights.transports`).
+
+    ``auto`` picks ``cuda_ipc`` when learner and engines share one GPU, ``nccl`` when the engines
+    are on GPUs of their own, and ``object_store`` on CPU. An explicit choice that cannot work
+    raises ``ValueError`` naming the config key.
+
+    Example:
+        >>> resolve_transport("auto", engine_on_gpu=True, same_gpu=True)
+        'cuda_ipc'
+        >>> resolve_transport("auto", engine_on_gpu=False, same_gpu=False)
+        'object_store'
+    """
+    if requested == "auto":
+        if not engine_on_gpu:
+            return "object_store"
+        return "cuda_ipc" if same_gpu else "nccl"
+    if requested not in TRANSPORTS:
+        raise ValueError(f"refit.transport: unknown transport '{requested}' (allowed: auto, {', '.join(TRANSPORTS)})")
+    if requested == "cuda_ipc" and not (engine_on_gpu and same_gpu):
+        raise ValueError("refit.transport=cuda_ipc needs the engines and the learner on the same GPU "
+                         "(colocate.enabled=true with GPU engines); use auto, nccl or object_store")
+    return requested  # type: ignore[return-value]
 
 
 class RefitConfig(Section):

@@ -1,6 +1,7 @@
 """driver/: the jobs a run is made of, and the loop that drives the actors.
 
-``trainer`` (the asynchronous RL loop, with its fault handling in ``supervision``), ``pipeline``
+``trainer`` (the asynchronous RL run: its actors in ``state``, its fault handling in ``supervision``,
+its loop's modes in ``loop`` and ``fixed_lag``; refits are :mod:`agentrl.weights.sync`'s), ``pipeline``
 (bootstrap -> SFT -> RL -> eval), ``sft``, ``evaluate``, ``watchdog`` (deadlines and stack reports),
 ``metrics`` and ``progress``. The top of the import order: nothing below imports it, bar the
 watchdog's plain data. Names are imported on first use (``trainer`` imports Ray).

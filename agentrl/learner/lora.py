@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentrl.model.loading import ADAPTER_CONFIG, ADAPTER_WEIGHTS  # the adapter directory's files
+
 if TYPE_CHECKING:
     import torch
 
@@ -38,8 +40,6 @@ __all__ = [
     "write_adapter_dir",
 ]
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed max_lora_rank values (0.26 and 0.32)
 
 

@@ -18,12 +18,15 @@ if TYPE_CHECKING:
 
     from agentrl.config import Config
 
-__all__ = ["TOKENIZER_FILES", "copy_tokenizer_files", "is_model_dir", "load_hf_model", "resolve_model_path",
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "TOKENIZER_FILES", "copy_tokenizer_files", "is_model_dir", "load_hf_model", "resolve_model_path",
            "tokenizer_vocab_limit", "torch_dtype"]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
                    "vocab.json", "merges.txt", "generation_config.json")
 """Files beside the weights that a saved model needs to load, render chats and stop (those present)."""
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+"""A LoRA adapter directory's files (the PEFT layout that vLLM loads): its config and its tensors."""
 
 
 def is_model_dir(path: str | Path) -> bool:

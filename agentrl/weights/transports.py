@@ -13,7 +13,9 @@ A refit moves the learner's full Hugging Face-named weights into every engine. T
 
 All three carry the same :class:`FlatSpec` (names, dtypes, shapes, byte offsets), so the engine side
 is one function that turns a flat buffer into ``(name, tensor)`` pairs. This module knows nothing
-of Ray or vLLM: the actors and the worker extension call it.
+of Ray or vLLM: the actors and the worker extension call it. Which transport a placement gets
+(:func:`resolve_transport`) is the config's decision, made in :mod:`agentrl.config.training` and
+re-exported here.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import pickle
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
+
+from agentrl.config.training import TRANSPORTS, Transport, resolve_transport
 
 if TYPE_CHECKING:
     import torch
@@ -47,12 +51,6 @@ __all__ = [
     "unflatten_weights",
 ]
 
-Transport = Literal["object_store", "cuda_ipc", "nccl"]
-TRANSPORTS: dict[str, str] = {
-    "object_store": "CPU tensors through the Ray object store (any placement, slowest)",
-    "cuda_ipc": "a CUDA IPC handle of one flat GPU buffer (learner and engine on one GPU)",
-    "nccl": "a broadcast from the learner's rank 0 to the engines' workers (different GPUs or nodes)",
-}
 _ALIGN = 256  # byte alignment of each tensor inside the flat buffer (any dtype's views stay aligned)
 
 
@@ -86,31 +84,6 @@ class LazyReshape:
 
     def materialize(self) -> Any:
         return self.tensor.reshape(self.shape)
-
-
-def resolve_transport(requested: str, *, engine_on_gpu: bool, same_gpu: bool) -> Transport:
-    """The transport a refit uses.
-
-    ``auto`` picks ``cuda_ipc`` when learner and engines share one GPU, ``nccl`` when the engines
-    are on GPUs of their own, and ``object_store`` on CPU. An explicit choice that cannot work
-    raises ``ValueError`` naming the config key.
-
-    Example:
-        >>> resolve_transport("auto", engine_on_gpu=True, same_gpu=True)
-        'cuda_ipc'
-        >>> resolve_transport("auto", engine_on_gpu=False, same_gpu=False)
-        'object_store'
-    """
-    if requested == "auto":
-        if not engine_on_gpu:
-            return "object_store"
-        return "cuda_ipc" if same_gpu else "nccl"
-    if requested not in TRANSPORTS:
-        raise ValueError(f"refit.transport: unknown transport '{requested}' (allowed: auto, {', '.join(TRANSPORTS)})")
-    if requested == "cuda_ipc" and not (engine_on_gpu and same_gpu):
-        raise ValueError("refit.transport=cuda_ipc needs the engines and the learner on the same GPU "
-                         "(colocate.enabled=true with GPU engines); use auto, nccl or object_store")
-    return requested  # type: ignore[return-value]
 
 
 def flatten_weights(weights: dict[str, torch.Tensor], device: torch.device | str | None = None,

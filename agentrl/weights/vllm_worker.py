@@ -161,7 +161,7 @@ class WeightSyncExtension:
 
         from safetensors.torch import save_file
 
-        from agentrl.learner.lora import ADAPTER_WEIGHTS
+        from agentrl.model.loading import ADAPTER_WEIGHTS
 
         if int(getattr(self, "rank", 0)) == 0:  # tensor-parallel workers share the host's file
             Path(path).mkdir(parents=True, exist_ok=True)
