@@ -114,3 +114,16 @@ def test_torch_learner_trains_experts_and_routers_with_optional_aux_loss(moe_dir
 
     none = Config.model_validate({"model": {"path": moe_dir}, "learner": {"moe_aux_loss_coef": None}})
     assert TorchLearner(none).moe_aux_loss_coef == 0.001  # the checkpoint's router_aux_loss_coef
+
+
+def test_learner_exports_the_checkpoints_expert_names(moe_dir: str) -> None:
+    """The refit sends what save_pretrained writes and the engines load: per-expert tensors."""
+    from safetensors.torch import load_file
+
+    from agentrl.learner.torch_learner import TorchLearner
+
+    learner = TorchLearner(Config.model_validate({"model": {"path": moe_dir}}))
+    exported = {k: v for k, v in learner.export_weights().items() if k != "lm_head.weight"}  # tied to the embedding
+    saved = load_file(f"{moe_dir}/model.safetensors")
+    assert sorted(exported) == sorted(saved)
+    assert all(torch.equal(exported[k], saved[k]) for k in exported)

@@ -195,8 +195,16 @@ class TorchLearner:
 
             return merged_weights(self.model, device=device)
         if torch.device(device).type == "cuda" and self.device.type == "cuda":
-            return {k: v.detach() for k, v in self.model.state_dict().items()}
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            out = {k: v.detach() for k, v in self.model.state_dict().items()}
+        else:
+            out = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        if getattr(self.model.config, "num_experts", 0):
+            # transformers holds each MoE layer's experts fused ([experts, ...] tensors); the engines
+            # load the checkpoint's per-expert names (views of those tensors, no copy)
+            from agentrl.learner.megatron.convert import experts_to_checkpoint_names
+
+            out = experts_to_checkpoint_names(out)
+        return out
 
     def export_merged_flat(self, device: str | torch.device = "cpu") -> tuple[torch.Tensor, Any]:
         """LoRA served merged (``learner.lora.serve: merged``), for a CUDA IPC or NCCL refit: base +
