@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bootstrap-tiny", help="write a tiny random model of a family, with tokenizer and chat template")
     p.add_argument("dir")
-    p.add_argument("--family", choices=["qwen2", "qwen3", "llama3", "mistral"], default="qwen2",
+    p.add_argument("--family", choices=["qwen2", "qwen3", "qwen3_moe", "llama3", "mistral"], default="qwen2",
                    help="architecture, special tokens and chat-template format (default: qwen2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--context-length", type=int, default=4096, help="max_position_embeddings")

@@ -223,6 +223,14 @@ class LearnerConfig(Section):
     over its peak at 1.5B on an H200). The CUDA IPC refit's buffer stays a plain allocation (IPC of
     expandable memory needs pidfd_getfd, which containers often refuse). Off by default until
     measured in the GPU loop; no effect on CPU."""
+    moe_aux_loss_coef: float | None = Field(0.0, ge=0)
+    """Weight of a mixture-of-experts model's router load-balancing loss in the learner's loss
+    (dense models: no effect). 0 (default): off, the RL loss alone moves the routers, as it moves
+    every other weight; a balancing term is an objective of pretraining that no reward weighs, and
+    each step it takes moves the learner's routing away from the one the engines sampled with.
+    None: the checkpoint's ``router_aux_loss_coef``. The torch learner adds it times transformers'
+    load-balancing loss (over all MoE layers of a micro-batch); the Megatron learner gives it to
+    Megatron's per-layer ``aux_loss`` (``moe_aux_loss_coeff``)."""
     megatron: MegatronConfig = Field(default_factory=MegatronConfig)
     lora: LoRAConfig = Field(default_factory=LoRAConfig)
     """LoRA adapters instead of full fine-tuning (torch learner only); off while ``rank`` is 0."""

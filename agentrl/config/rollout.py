@@ -37,12 +37,21 @@ class TinyModelConfig(Section):
     needs it: 1,000 steps, ~100 s). 0: the model stays random."""
     induction_lr: float = Field(3e-3, gt=0)
     """Peak learning rate of that pre-stage."""
+    num_experts: int = Field(8, ge=1)
+    """Routed experts of each MoE layer (mixture-of-experts families: qwen3_moe; the dense ones ignore it)."""
+    num_experts_per_tok: int = Field(2, ge=1)
+    """Experts each token is routed to (top-k; their weights renormalized to sum to 1)."""
+    moe_intermediate_size: int = Field(96, ge=8)
+    """Intermediate width of one expert."""
 
     @model_validator(mode="after")
     def _heads(self) -> TinyModelConfig:
         if self.hidden_size % self.num_heads or self.num_heads % self.num_kv_heads:
             raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads ({self.num_heads}), "
                              f"and num_heads of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) must not exceed num_experts "
+                             f"({self.num_experts})")
         return self
 
 
@@ -51,9 +60,10 @@ class ModelConfig(Section):
     """Hugging Face-format model directory (config.json, safetensors, tokenizer)."""
     bootstrap_tiny: bool = False
     """Create a tiny random model at `path` when it does not exist (`agentrl bootstrap-tiny`)."""
-    family: Literal["qwen2", "qwen3", "llama3", "mistral"] = "qwen2"
+    family: Literal["qwen2", "qwen3", "qwen3_moe", "llama3", "mistral"] = "qwen2"
     """Model family of the tiny model `bootstrap_tiny` creates: its architecture, special tokens and
-    chat template (tool-call syntax, tool-result role, end-of-turn token)."""
+    chat template (tool-call syntax, tool-result role, end-of-turn token). qwen3_moe: Qwen3's tokens
+    and template, every layer's MLP a mixture of experts (`tiny.num_experts` ...)."""
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig)
     """Size of the model bootstrap_tiny creates (the GPU recipe uses a larger one)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"

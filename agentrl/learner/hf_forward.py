@@ -349,9 +349,23 @@ def _scores_at(
     return out.index_put((where,), scores)
 
 
+def _router_loss(body: torch.nn.Module, out: Any) -> torch.Tensor:
+    """transformers' load-balancing loss of a MoE forward's router logits (its own function, from
+    the decoder's module)."""
+    import importlib
+
+    logits = getattr(out, "router_logits", None)
+    if not logits:
+        raise ValueError(f"{type(body).__name__} returned no router logits: not a mixture-of-experts model")
+    cfg = body.config
+    module = importlib.import_module(type(body).__module__)
+    return module.load_balancing_loss_func(logits, cfg.num_experts, cfg.num_experts_per_tok)
+
+
 def packed_token_logprobs(
     model: torch.nn.Module, batch: PackedBatch, *, temperature: float = 1.0, chunk_size: int = 1024,
     extra_ids: torch.Tensor | None = None, vocab_limit: int | None = None,
+    router_losses: list[torch.Tensor] | None = None,
 ) -> Any:
     """Per-token logprobs of a packed micro-batch, each sequence attending only to itself.
 
@@ -369,6 +383,9 @@ def packed_token_logprobs(
             teacher's top k), from the same forward pass.
         vocab_limit: the softmax runs over ids ``< vocab_limit`` only (``model.tokenizer_vocab_only``:
             the head's later rows get probability 0); every scored id must be below it.
+        router_losses: a mixture-of-experts model's router load-balancing loss of this forward
+            (transformers' ``load_balancing_loss_func`` over all MoE layers and the micro-batch's
+            tokens, pack padding included) is appended to it; differentiable.
 
     Returns:
         ``[T]`` float32: ``out[t] = log p(input_ids[t] | earlier tokens of its sequence)``, 0 at
@@ -408,17 +425,22 @@ def packed_token_logprobs(
     # The mask goes in as is: transformers returns a 4-D mask (the BlockMask) unchanged, and with
     # none (CPU) the packed mask function above builds none, whether the decoder takes a mapping
     # per layer type (Qwen2/3, Mistral) or calls create_causal_mask itself (Llama).
+    if router_losses is not None:
+        extra["output_router_logits"] = True
     token = _IN_PACKED_CALL.set(True)
     try:
-        hidden = body(
+        out = body(
             input_ids=batch.input_ids,
             position_ids=batch.position_ids,
             attention_mask=mask,
             use_cache=False,
             **extra,
-        ).last_hidden_state[0]  # [T, H]
+        )
     finally:
         _IN_PACKED_CALL.reset(token)
+    hidden = out.last_hidden_state[0]  # [T, H]
+    if router_losses is not None:
+        router_losses.append(_router_loss(body, out))
     ids = batch.input_ids[0]
     if extra_ids is not None:
         extra_ids = to_device(extra_ids.reshape(total, -1).long(), device)

@@ -66,6 +66,12 @@ class TorchLearner:
         self.pad_id = int(self.model.config.pad_token_id or 0)
         self.vocab_limit = tokenizer_vocab_limit(self.model_path, cfg.model.tokenizer_vocab_only)
         self.version = 0
+        # learner.moe_aux_loss_coef: the router balancing loss's weight (0 for a dense model)
+        experts = int(getattr(self.model.config, "num_experts", 0) or 0)
+        coef = cfg.learner.moe_aux_loss_coef
+        if coef is None:
+            coef = getattr(self.model.config, "router_aux_loss_coef", 0.0) or 0.0
+        self.moe_aux_loss_coef = float(coef) if experts else 0.0
 
     def _make_optimizer(self, lr: float) -> torch.optim.Optimizer:
         lc = self.cfg.learner
@@ -77,13 +83,16 @@ class TorchLearner:
         t = self.cfg.rollout.temperature
         return t if t > 0 else 1.0
 
-    def _logprobs(self, model: torch.nn.Module, packed, *, top_k: bool = False) -> Any:
+    def _logprobs(self, model: torch.nn.Module, packed, *, top_k: bool = False,
+                  router_losses: list[torch.Tensor] | None = None) -> Any:
         """Logprobs of the packed tokens; ``top_k`` (dense distillation): also of the teacher's
-        top-k ids at every position, ``(logprobs [T], top_k [T, k])`` from one forward."""
+        top-k ids at every position, ``(logprobs [T], top_k [T, k])`` from one forward;
+        ``router_losses``: a MoE model's load-balancing loss of the pass is appended to it."""
         # the batch as given (on the host: the vocabulary check costs no GPU wait; it moves it)
         return packed_token_logprobs(
             model, packed, temperature=self.temperature, chunk_size=self.cfg.packing.logprob_chunk_size,
             extra_ids=packed.fields["teacher_top_ids"] if top_k else None, vocab_limit=self.vocab_limit,
+            router_losses=router_losses,
         )
 
     def train_step(self, groups: list["TrajectoryGroup"]) -> dict[str, float]:
@@ -115,15 +124,17 @@ class TorchLearner:
         # The ranges are those of the Megatron learner (tools/learner_step.py reads them).
         per_mb: list[tuple[dict[str, torch.Tensor], float]] = []
         losses: list[torch.Tensor] = []
+        router: list[torch.Tensor] | None = [] if self.moe_aux_loss_coef > 0 else None
+        pack_tokens = sum(p.input_ids.numel() for p in packs)
         with record_function("agentrl.forward_backward"), PEAKS.phase("forward_backward"):
             for packed, ref_lp in zip(packs, refs):
                 with record_function("agentrl.microbatch"):
                     on_device = packed.to(self.device, non_blocking=True)
                 top_lp = None
                 if dense:
-                    logp, top_lp = self._logprobs(self.model, packed, top_k=True)
+                    logp, top_lp = self._logprobs(self.model, packed, top_k=True, router_losses=router)
                 else:
-                    logp = self._logprobs(self.model, packed)
+                    logp = self._logprobs(self.model, packed, router_losses=router)
                 # One optimizer step per batch: the weights before the step (pi_prox under "recompute")
                 # are the weights of this pass, so its own logprobs, detached, are the proximal ones;
                 # a separate no-grad pass would repeat the same forward (test_torch_learner.py).
@@ -134,6 +145,8 @@ class TorchLearner:
                         num_tokens=num_tokens, num_sequences=num_sequences, ref_logprobs=ref_lp, top_k_logprobs=top_lp,
                         distill_coef=cfg.distill.coef, distill_direction=cfg.distill.top_k_direction,
                     )
+                if router is not None:  # each micro-batch's balancing loss weighed by its share of the tokens
+                    loss = loss + self.moe_aux_loss_coef * router[-1] * (packed.input_ids.numel() / pack_tokens)
                 loss.backward()
                 losses.append(loss.detach())
                 per_mb.append((metrics, float(packed.fields["loss_mask"].sum())))  # a host tensor
@@ -156,6 +169,7 @@ class TorchLearner:
             "train/num_microbatches": float(len(packs)),
             "train/optimizer_stepped": float(stepped),
             "train/version": float(self.version),
+            **({"train/moe_aux_loss": float(torch.stack(router).mean())} if router else {}),
             "timing/logprobs": t2 - t1,  # the reference model's pass (KL), if any
             "timing/training": (t3 - t2) + (t1 - t0),
         })
@@ -181,8 +195,16 @@ class TorchLearner:
 
             return merged_weights(self.model, device=device)
         if torch.device(device).type == "cuda" and self.device.type == "cuda":
-            return {k: v.detach() for k, v in self.model.state_dict().items()}
-        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+            out = {k: v.detach() for k, v in self.model.state_dict().items()}
+        else:
+            out = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+        if getattr(self.model.config, "num_experts", 0):
+            # transformers holds each MoE layer's experts fused ([experts, ...] tensors); the engines
+            # load the checkpoint's per-expert names (views of those tensors, no copy)
+            from agentrl.learner.megatron.convert import experts_to_checkpoint_names
+
+            out = experts_to_checkpoint_names(out)
+        return out
 
     def export_merged_flat(self, device: str | torch.device = "cpu") -> tuple[torch.Tensor, Any]:
         """LoRA served merged (``learner.lora.serve: merged``), for a CUDA IPC or NCCL refit: base +

@@ -1,7 +1,7 @@
 """`agentrl bootstrap-tiny DIR --family F`: a tiny model of a family, made on the spot.
 
 Writes a Hugging Face model directory that vLLM and transformers both load: random weights
-(about 1M parameters) of the family's architecture (Qwen2, Qwen3, Llama, Mistral), a byte-level
+(about 1M parameters) of the family's architecture (Qwen2, Qwen3, Qwen3-MoE, Llama, Mistral), a byte-level
 BPE tokenizer trained here on a small synthetic corpus with the family's special tokens, and a
 chat template in the family's format (:mod:`agentrl.model.tiny_templates`). Nothing is downloaded.
 """
@@ -36,14 +36,19 @@ class Family:
     stop: tuple[str, ...]
     """Tokens generation stops at (generation_config eos_token_id)."""
     bos: str | None = None
+    template: str | None = None
+    """Chat template and tool-call format of another family (None: this family's own)."""
 
+
+_QWEN3_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>",
+                 "</tool_response>", "<think>", "</think>")
 
 FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
                               "<tool_response>", "</tool_response>"), "<|im_end|>", ("<|im_end|>",)),
-    "qwen3": Family("Qwen3", ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-                              "<tool_response>", "</tool_response>", "<think>", "</think>"),
-                    "<|im_end|>", ("<|im_end|>", "<|endoftext|>")),
+    "qwen3": Family("Qwen3", _QWEN3_TOKENS, "<|im_end|>", ("<|im_end|>", "<|endoftext|>")),
+    # Qwen3's tokens and chat format; every decoder layer's MLP a top-k mixture of experts.
+    "qwen3_moe": Family("Qwen3Moe", _QWEN3_TOKENS, "<|im_end|>", ("<|im_end|>", "<|endoftext|>"), template="qwen3"),
     # Llama 3's tokenizer EOS is <|end_of_text|>; chat turns end in <|eot_id|> (and <|eom_id|> when
     # the model waits for a built-in tool): generation stops at all three, as Llama's own config says.
     "llama3": Family("Llama", ("<|finetune_right_pad_id|>", "<|begin_of_text|>", "<|end_of_text|>",
@@ -128,14 +133,20 @@ def bootstrap_tiny(
     intermediate_size: int = 384,
     max_position_embeddings: int = 4096,
     rope_theta: float = 10000.0,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int = 96,
     seed: int = 0,
     corpus: list[str] | None = None,
     induction_steps: int = 0,
     induction_lr: float = 3e-3,
     log=print,
 ) -> Path:
-    """Write a tiny random model of ``family`` (qwen2, qwen3, llama3, mistral), its tokenizer and
-    chat template to ``out_dir``.
+    """Write a tiny random model of ``family`` (qwen2, qwen3, qwen3_moe, llama3, mistral), its
+    tokenizer and chat template to ``out_dir``.
+
+    ``num_experts``, ``num_experts_per_tok`` and ``moe_intermediate_size`` shape the experts of a
+    mixture-of-experts family (qwen3_moe); the dense families ignore them.
 
     ``max_position_embeddings`` is the context the model (and vLLM serving it) accepts; for long
     contexts a larger ``rope_theta`` keeps some rotary dimensions nearly still over the whole
@@ -167,7 +178,8 @@ def bootstrap_tiny(
     spec = FAMILIES[family]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer = _train_tokenizer(vocab_size, corpus or tiny_corpus(seed=seed, family=family), spec, TEMPLATES[family])
+    tokenizer = _train_tokenizer(vocab_size, corpus or tiny_corpus(seed=seed, family=family), spec,
+                                 TEMPLATES[spec.template or family])
     tokenizer.save_pretrained(out)
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in spec.stop]
     config_cls = getattr(transformers, f"{spec.architecture}Config")
@@ -190,6 +202,11 @@ def bootstrap_tiny(
     )
     if family == "mistral":
         config.sliding_window = None
+    if spec.architecture.endswith("Moe"):
+        # Every layer sparse, top-k probabilities renormalized to sum to 1 (as Qwen3-30B-A3B).
+        config.num_experts, config.num_experts_per_tok = num_experts, num_experts_per_tok
+        config.moe_intermediate_size, config.norm_topk_prob = moe_intermediate_size, True
+        config.decoder_sparse_step, config.mlp_only_layers = 1, []
     torch.manual_seed(seed)
     model = model_cls(config)
     model.generation_config.eos_token_id = stop_ids if len(stop_ids) > 1 else stop_ids[0]

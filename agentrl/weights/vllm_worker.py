@@ -25,6 +25,7 @@ class WeightSyncExtension:
         # loader's in-place path, which re-runs the post-load processing.
         self.model_runner.reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
         self._agentrl_redispatch_tied_heads()
+        self._agentrl_repack_cpu_experts()
         return len(tensors)
 
     def agentrl_load_ipc(self, handle: bytes, spec: bytes) -> int:
@@ -69,6 +70,7 @@ class WeightSyncExtension:
         group.broadcast(buf)
         self.model_runner.reload_weights(weights_iterator=unflatten_weights(buf, layout), is_checkpoint_format=True)
         self._agentrl_redispatch_tied_heads()
+        self._agentrl_repack_cpu_experts()
         return layout.num_tensors
 
     # -- LoRA: adapter tensors only; the engine loads the directory written here in place -------
@@ -179,6 +181,23 @@ class WeightSyncExtension:
                 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
                 dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+
+    def _agentrl_repack_cpu_experts(self) -> int:
+        # vLLM 0.32 re-runs a MoE layer's weight processing on reload, but on a weight update it
+        # skips the experts' own step, which on CPU prepacks them into the grouped GEMM's layout:
+        # the reloaded experts would be read in the checkpoint's layout. Run that step again.
+        try:
+            from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+        except ImportError:  # a vLLM without CPU MoE experts
+            return 0
+        repacked = 0
+        for module in self.model_runner.get_model().modules():
+            kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+            experts = getattr(kernel, "fused_experts", None)
+            if isinstance(experts, CPUUnquantizedExperts):
+                experts.process_weights_after_loading(module)
+                repacked += 1
+        return repacked
 
     def agentrl_limit_vocab(self, limit: int) -> int:
         """Mask the LM head's logits at ids >= ``limit`` to -inf in every forward pass from now on

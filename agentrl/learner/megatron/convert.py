@@ -1,4 +1,4 @@
-"""Hugging Face <-> Megatron-Core weight conversion for Llama 3, Qwen2/2.5 and Qwen3 models.
+"""Hugging Face <-> Megatron-Core weight conversion for Llama 3, Qwen2/2.5, Qwen3 and Qwen3-MoE models.
 
 Pure torch: nothing here imports Megatron, so conversion is testable anywhere.
 
@@ -10,6 +10,12 @@ Layouts (Megatron's local/TE GPT spec, facts of its format):
   whole groups (``ng`` must be divisible by the TP size).
 * ``linear_fc1`` of the gated MLP is ``[gate; up]``. Under TP each rank holds
   ``[gate_r; up_r]``, so sharding splits gate and up separately.
+* A mixture-of-experts layer (Qwen3-MoE) has ``mlp.router.weight`` (HF ``mlp.gate.weight``,
+  ``[experts, hidden]``, replicated) and, per expert ``e``, Megatron's SequentialMLP
+  ``mlp.experts.local_experts.{e}.linear_fc1`` (``[gate; up]`` of HF's
+  ``mlp.experts.{e}.gate_proj`` / ``up_proj``) and ``linear_fc2`` (``down_proj``), sharded under
+  tensor parallelism like the dense MLP's (expert tensor parallelism equal to TP, no expert
+  parallelism).
 * ``linear_proj`` and ``linear_fc2`` are row-parallel (split dim 1); embeddings and the output
   layer are vocab-parallel (split dim 0, vocab padded to a multiple of the TP size); norms are
   replicated.
@@ -29,6 +35,7 @@ import torch
 
 __all__ = [
     "ModelShape",
+    "experts_to_checkpoint_names",
     "gather_tp",
     "globalize_layers",
     "hf_to_megatron",
@@ -37,7 +44,8 @@ __all__ = [
     "shard_tp",
 ]
 
-_SUPPORTED = ("llama", "qwen2", "qwen3")
+_SUPPORTED = ("llama", "qwen2", "qwen3", "qwen3_moe")
+_FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 
 
@@ -58,6 +66,18 @@ class ModelShape:
     qk_norm: bool
     rms_eps: float
     max_position_embeddings: int
+    num_experts: int = 0
+    """Routed experts of a mixture-of-experts layer (0: a dense model)."""
+    moe_topk: int = 0
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """Intermediate width of one expert."""
+    moe_norm_topk: bool = False
+    """The top-k routing weights are renormalized to sum to 1 (HF ``norm_topk_prob``)."""
+    moe_layers: tuple[bool, ...] = ()
+    """Per layer: True where its MLP is a mixture of experts (the others are dense)."""
+    router_aux_loss_coef: float = 0.0
+    """The checkpoint's load-balancing loss weight (HF ``router_aux_loss_coef``)."""
 
     @classmethod
     def from_hf_config(cls, cfg: Any) -> ModelShape:
@@ -74,10 +94,17 @@ class ModelShape:
             raise ValueError(f"hidden_act '{cfg.hidden_act}' is not supported (only silu / SwiGLU)")
         if getattr(cfg, "mlp_bias", False):
             raise ValueError("mlp_bias=True is not supported by the Megatron learner")
-        if mt in ("llama", "qwen3") and getattr(cfg, "attention_bias", False):
+        if mt in ("llama", "qwen3", "qwen3_moe") and getattr(cfg, "attention_bias", False):
             # q/k/v/o all biased: Megatron would also need MLP biases (add_bias_linear).
             raise ValueError(f"{mt} with attention_bias=True is not supported by the Megatron learner")
         heads = cfg.num_attention_heads
+        moe: dict[str, Any] = {}
+        if mt == "qwen3_moe" and cfg.num_experts > 0:
+            step, dense = int(getattr(cfg, "decoder_sparse_step", 1) or 1), set(getattr(cfg, "mlp_only_layers", []) or [])
+            moe = dict(num_experts=int(cfg.num_experts), moe_topk=int(cfg.num_experts_per_tok),
+                       moe_ffn_hidden_size=int(cfg.moe_intermediate_size), moe_norm_topk=bool(cfg.norm_topk_prob),
+                       moe_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)),
+                       router_aux_loss_coef=float(getattr(cfg, "router_aux_loss_coef", 0.0) or 0.0))
         return cls(
             model_type=mt,
             num_layers=cfg.num_hidden_layers,
@@ -89,10 +116,15 @@ class ModelShape:
             vocab_size=cfg.vocab_size,
             tied_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             qkv_bias=mt == "qwen2",
-            qk_norm=mt == "qwen3",
+            qk_norm=mt in ("qwen3", "qwen3_moe"),
             rms_eps=float(cfg.rms_norm_eps),
             max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+            **moe,
         )
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether global layer ``i``'s MLP is a mixture of experts."""
+        return bool(self.moe_layers) and self.moe_layers[i]
 
     def padded_vocab_size(self, tp_size: int) -> int:
         """Vocabulary rounded up to a multiple of ``tp_size`` (vocab-parallel layers need it)."""
@@ -113,11 +145,34 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
+def experts_to_checkpoint_names(hf: dict[str, Any]) -> dict[str, Any]:
+    """HF tensors with transformers' in-memory expert layout (``mlp.experts.gate_up_proj``
+    ``[experts, 2 * ffn, hidden]`` and ``mlp.experts.down_proj`` ``[experts, hidden, ffn]``, as a
+    ``Qwen3MoeForCausalLM``'s ``state_dict()`` has them) renamed to the checkpoint's per-expert
+    tensors (``mlp.experts.{e}.gate_proj.weight`` ...: what ``save_pretrained`` writes and vLLM
+    loads). Views, not copies; every other tensor passes through."""
+    out: dict[str, Any] = {}
+    for name, t in hf.items():
+        m = _FUSED_EXPERTS.match(name)
+        if not m:
+            out[name] = t
+        elif m.group(2) == "gate_up_proj":
+            for e, w in enumerate(t.unbind(0)):
+                out[f"{m.group(1)}.{e}.gate_proj.weight"], out[f"{m.group(1)}.{e}.up_proj.weight"] = w.chunk(2, dim=0)
+        else:
+            for e, w in enumerate(t.unbind(0)):
+                out[f"{m.group(1)}.{e}.down_proj.weight"] = w
+    return out
+
+
 def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, tp_size: int = 1) -> dict[str, torch.Tensor]:
-    """Full (unsharded) Megatron state dict with global layer indices from HF tensors.
+    """Full (unsharded) Megatron state dict with global layer indices from HF tensors (checkpoint
+    names, or transformers' in-memory fused experts: `experts_to_checkpoint_names`).
 
     The vocabulary dimension is zero-padded to ``shape.padded_vocab_size(tp_size)``.
     """
+    if shape.num_experts:
+        hf = experts_to_checkpoint_names(hf)
     vocab = shape.padded_vocab_size(tp_size)
     ng, hd, hpg, h = shape.num_kv_heads, shape.head_dim, shape.heads_per_group, shape.hidden_size
     out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight": _pad_rows(hf["model.embed_tokens.weight"], vocab)}
@@ -139,6 +194,13 @@ def hf_to_megatron(hf: dict[str, torch.Tensor], shape: ModelShape, *, tp_size: i
         out[dst + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
         out[dst + "input_layernorm.weight"] = hf[src + "input_layernorm.weight"]
         out[dst + "pre_mlp_layernorm.weight"] = hf[src + "post_attention_layernorm.weight"]
+        if shape.is_moe_layer(i):
+            out[dst + "mlp.router.weight"] = hf[src + "mlp.gate.weight"]
+            for e in range(shape.num_experts):
+                hx, mx = f"{src}mlp.experts.{e}.", f"{dst}mlp.experts.local_experts.{e}."
+                out[mx + "linear_fc1.weight"] = torch.cat([hf[hx + "gate_proj.weight"], hf[hx + "up_proj.weight"]])
+                out[mx + "linear_fc2.weight"] = hf[hx + "down_proj.weight"]
+            continue
         out[dst + "mlp.linear_fc1.weight"] = torch.cat(
             [hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]]
         )
@@ -188,6 +250,13 @@ def megatron_to_hf(mc: dict[str, torch.Tensor], shape: ModelShape, *, lazy: bool
         out[attn + "o_proj.weight"] = mc[src + "self_attention.linear_proj.weight"]
         out[dst + "input_layernorm.weight"] = mc[src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = mc[src + "pre_mlp_layernorm.weight"]
+        if shape.is_moe_layer(i):
+            out[dst + "mlp.gate.weight"] = mc[src + "mlp.router.weight"]
+            for e in range(shape.num_experts):
+                hx, mx = f"{dst}mlp.experts.{e}.", f"{src}mlp.experts.local_experts.{e}."
+                out[hx + "gate_proj.weight"], out[hx + "up_proj.weight"] = mc[mx + "linear_fc1.weight"].chunk(2, dim=0)
+                out[hx + "down_proj.weight"] = mc[mx + "linear_fc2.weight"]
+            continue
         gate, up = mc[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[dst + "mlp.gate_proj.weight"] = gate
         out[dst + "mlp.up_proj.weight"] = up

@@ -200,8 +200,13 @@ class MegatronLearner:
     # ------------------------------------------------------------------ building and data
     def _build(self) -> Any:
         mcfg = self.cfg.learner.megatron
+        if self.shape.num_experts and mcfg.tensor_parallel_size > 1 and not mcfg.sequence_parallel:
+            # Megatron's MoE layer refuses a training forward under TP without it.
+            raise ValueError("learner.megatron.sequence_parallel must be true for a mixture-of-experts model "
+                             f"under tensor_parallel_size {mcfg.tensor_parallel_size}")
         model = build_model(self.shape, self.hf_config, mcfg, dtype=self.dtype, perform_initialization=True,
-                            vocab_limit=self.vocab_limit).to(self.device)
+                            vocab_limit=self.vocab_limit, moe_aux_loss_coef=self.cfg.learner.moe_aux_loss_coef,
+                            ).to(self.device)
         model.temperature = self.cfg.rollout.temperature or 1.0
         model.chunk_size = self.cfg.packing.logprob_chunk_size
         model.keep_grad_logits = mcfg.keep_grad_logits

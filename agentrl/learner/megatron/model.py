@@ -1,4 +1,4 @@
-"""Megatron-Core GPTModel for Llama 3 / Qwen2 / Qwen3, built from a Hugging Face config.
+"""Megatron-Core GPTModel for Llama 3 / Qwen2 / Qwen3 / Qwen3-MoE, built from a Hugging Face config.
 
 Parallelism state (`parallel_state`) must be initialized before `build_model`. The model is the
 stock ``GPTModel`` with two changes, both in `AgentGPTModel`:
@@ -10,7 +10,9 @@ stock ``GPTModel`` with two changes, both in `AgentGPTModel`:
   computed vocab-parallel in token chunks (`logprobs.vocab_parallel_logprobs`).
 
 Without TransformerEngine the layer spec is Megatron's local spec with `PackedCoreAttention` as
-``core_attention`` and `RMSNorm` (HF's float32 normalization) for every norm. With
+``core_attention`` and `RMSNorm` (HF's float32 normalization) for every norm; a
+mixture-of-experts layer is Megatron's own ``MoELayer`` (`moe_config` sets its routing so that it
+picks and weighs the experts as transformers does) with the SequentialMLP experts. With
 ``attention == "te"`` and TransformerEngine importable, TE's spec and fused attention are used
 instead (untested here: no machine in this project has TE).
 """
@@ -25,6 +27,8 @@ from megatron.core import parallel_state, tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.moe import moe_utils
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -37,7 +41,7 @@ from agentrl.learner.megatron.compiled import compiled
 from agentrl.learner.megatron.convert import ModelShape
 from agentrl.learner.megatron.logprobs import vocab_parallel_logprobs
 
-__all__ = ["AgentGPTModel", "RMSNorm", "activation_bytes_per_token", "attention_bytes_per_token", "build_model", "core_attention",
+__all__ = ["AgentGPTModel", "HostTopKRouter", "RMSNorm", "moe_config", "activation_bytes_per_token", "attention_bytes_per_token", "build_model", "core_attention",
            "layer_spec", "layers_to_recompute", "recompute_plan", "rope_inv_freq", "transformer_config"]
 
 AUTO_RECOMPUTE_SHARE = 0.85
@@ -172,9 +176,47 @@ class RMSNorm(torch.nn.Module):
         return fn(x, self.weight, self.eps)
 
 
+class HostTopKRouter(TopKRouter):
+    """Megatron's top-k router, its gate computed where its input is. Megatron 0.16's own gate moves
+    a CPU weight to the current CUDA device at the first forward (a CPU model has none), and without
+    TransformerEngine its gate function fails (it names TE's GEMM, not imported): there the gate is
+    a plain linear in the router dtype, the same product."""
+
+    def gating(self, input: Tensor) -> Tensor:
+        if input.is_cuda and moe_utils.HAVE_TE:
+            return super().gating(input)
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype or "", input.dtype)
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return F.linear(input.to(dtype), self.weight.to(dtype), bias)
+
+
+def moe_config(shape: ModelShape, aux_loss_coef: float | None = 0.0) -> dict[str, Any]:
+    """``TransformerConfig`` fields of ``shape``'s mixture-of-experts layers ({} for a dense model).
+
+    Routing equals transformers' Qwen3-MoE router: a float32 softmax over all experts' logits, the
+    top k, renormalized to sum to 1 when ``norm_topk_prob``. Renormalized top-k softmax
+    probabilities are the softmax of the top-k logits, Megatron's ``moe_router_pre_softmax=False``;
+    without renormalization they are the full softmax's top k (``pre_softmax=True``). No expert
+    capacity (no token is dropped), no input jitter, no z-loss. ``aux_loss_coef``: the weight of
+    Megatron's load-balancing loss (``aux_loss``, per layer; 0: none; None: the checkpoint's
+    ``router_aux_loss_coef``)."""
+    if not shape.num_experts:
+        return {}
+    coef = shape.router_aux_loss_coef if aux_loss_coef is None else float(aux_loss_coef)
+    return dict(
+        num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
+        moe_ffn_hidden_size=shape.moe_ffn_hidden_size, moe_layer_freq=[int(m) for m in shape.moe_layers],
+        moe_router_score_function="softmax", moe_router_pre_softmax=not shape.moe_norm_topk,
+        moe_router_dtype="fp32", moe_router_load_balancing_type="aux_loss" if coef > 0 else "none",
+        moe_aux_loss_coeff=coef, moe_grouped_gemm=False,
+    )
+
+
 def transformer_config(shape: ModelShape, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
-                       use_cpu_initialization: bool = False, **overrides: Any) -> TransformerConfig:
-    """A ``TransformerConfig`` for ``shape`` with the parallel degrees of ``mcfg`` (MegatronConfig)."""
+                       use_cpu_initialization: bool = False, moe_aux_loss_coef: float | None = 0.0,
+                       **overrides: Any) -> TransformerConfig:
+    """A ``TransformerConfig`` for ``shape`` with the parallel degrees of ``mcfg`` (MegatronConfig);
+    a mixture-of-experts model's routing from `moe_config` (``moe_aux_loss_coef``: its aux loss)."""
     kwargs: dict[str, Any] = dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size,
         num_attention_heads=shape.num_heads, num_query_groups=shape.num_kv_heads,
@@ -195,6 +237,13 @@ def transformer_config(shape: ModelShape, mcfg: Any, *, dtype: torch.dtype = tor
         moe_token_dispatcher_type="alltoall",  # no MoE; the default "allgather" refuses variable lengths
         deallocate_pipeline_outputs=True,
     )
+    if shape.num_experts and not torch.cuda.is_available():
+        # Megatron's alltoall dispatcher makes a CUDA stream when built; the allgather one runs on
+        # CPU (one stage only: it refuses variable_seq_lengths, which pipeline stages need).
+        if mcfg.pipeline_parallel_size > 1:
+            raise ValueError("learner.megatron.pipeline_parallel_size > 1 with a mixture-of-experts model needs CUDA")
+        kwargs.update(moe_token_dispatcher_type="allgather", variable_seq_lengths=False)
+    kwargs.update(moe_config(shape, moe_aux_loss_coef))
     if mcfg.activation_checkpointing:
         kwargs.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     elif getattr(mcfg, "recompute_above_tokens", 0):  # granularity set per micro-batch (AgentGPTModel)
@@ -210,8 +259,9 @@ def core_attention(mcfg: Any) -> str:
     return "flex" if mcfg.attention == "auto" and getattr(mcfg, "cuda_graphs", False) else mcfg.attention
 
 
-def layer_spec(shape: ModelShape, attention: str, expand_kv: bool = False) -> ModuleSpec:
-    """Transformer-layer spec: Megatron's local spec with the project's attention and norms."""
+def layer_spec(shape: ModelShape, attention: str, expand_kv: bool = False, moe: bool = False) -> ModuleSpec:
+    """Transformer-layer spec: Megatron's local spec with the project's attention and norms; with
+    ``moe``, its MLP Megatron's MoELayer (router and SequentialMLP experts)."""
     if attention == "te":
         if not _te_available():
             raise ImportError("learner.megatron.attention=te needs TransformerEngine, which is not importable; "
@@ -220,11 +270,15 @@ def layer_spec(shape: ModelShape, attention: str, expand_kv: bool = False) -> Mo
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=shape.qk_norm)
-    spec = get_gpt_layer_local_spec(qk_layernorm=shape.qk_norm, normalization="RMSNorm")
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=shape.num_experts if moe else None,
+                                                          qk_layernorm=shape.qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=shape.num_experts if moe else None, moe_grouped_gemm=False,
+                                    qk_layernorm=shape.qk_norm, normalization="RMSNorm")
     sub = spec.submodules
     sub.input_layernorm = RMSNorm
     sub.pre_mlp_layernorm = RMSNorm
+    if moe:
+        sub.mlp.submodules.router = HostTopKRouter
     attn = sub.self_attention.submodules
     attn.core_attention = ModuleSpec(module=PackedCoreAttention, params={"backend": attention, "expand_kv": expand_kv})
     if shape.qk_norm:
@@ -351,18 +405,29 @@ class AgentGPTModel(GPTModel):
 
 def build_model(shape: ModelShape, hf_config: Any, mcfg: Any, *, dtype: torch.dtype = torch.bfloat16,
                 use_cpu_initialization: bool = False, vocab_limit: int | None = None,
-                **config_overrides: Any) -> AgentGPTModel:
+                moe_aux_loss_coef: float | None = 0.0, **config_overrides: Any) -> AgentGPTModel:
     """This rank's pipeline stage of the model (parallel_state must be initialized). ``vocab_limit``
     (``model.tokenizer_vocab_only``): the head's rows at or past it get probability 0 in every
-    logprob, as the padding rows of tensor parallelism do."""
+    logprob, as the padding rows of tensor parallelism do. ``moe_aux_loss_coef``: `moe_config`."""
     cfg = transformer_config(shape, mcfg, dtype=dtype, use_cpu_initialization=use_cpu_initialization,
-                             **config_overrides)
+                             moe_aux_loss_coef=moe_aux_loss_coef, **config_overrides)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     if shape.num_kv_heads % tp:
         raise ValueError(f"learner.megatron.tensor_parallel_size ({tp}) must divide the number of KV heads "
                          f"({shape.num_kv_heads})")
-    spec: Any = layer_spec(shape, core_attention(mcfg), expand_kv=getattr(mcfg, "flex_expand_kv", False))
-    if mcfg.attention != "te":
+    attention, expand_kv = core_attention(mcfg), getattr(mcfg, "flex_expand_kv", False)
+    spec: Any = layer_spec(shape, attention, expand_kv=expand_kv)
+    if shape.num_experts:  # this stage's layers, each dense or MoE as the checkpoint says
+        from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+
+        if mcfg.attention == "te":
+            raise ValueError("learner.megatron.attention=te is not supported for mixture-of-experts models yet")
+        moe_spec = layer_spec(shape, attention, expand_kv=expand_kv, moe=True)
+        first = get_transformer_layer_offset(cfg)
+        spec = TransformerBlockSubmodules(layer_specs=[moe_spec if shape.is_moe_layer(first + i) else spec
+                                                       for i in range(get_num_layers_to_build(cfg))],
+                                          layer_norm=RMSNorm)
+    elif mcfg.attention != "te":
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(cfg), layer_norm=RMSNorm)
     inv_freq, scale = rope_inv_freq(hf_config)
     te_rope: dict[str, Any] = {}
