@@ -393,7 +393,8 @@ class Trainer(Supervision, WeightSync):
         pending: tuple[Any, Any, float] | None = None
         prev_end = t_start
         # a bar on a terminal; plain lines with --no-progress or when output goes to a file or a pipe
-        with TrainProgress(cfg.train.num_steps, start=self.step, mode="auto" if self.progress else "lines") as bar:
+        with TrainProgress(cfg.train.num_steps, start=self.step, mode="auto" if self.progress else "lines",
+                           log_file=self.run_dir / "progress.log") as bar:
             while True:
                 self._stop_if_signalled()
                 if pending is None:
