@@ -88,9 +88,22 @@ def test_stage_progress_eta_is_the_pace_so_far_times_the_steps_left(monkeypatch,
     # step 1 always, steps 2-3 within 5 s of the last line, step 4 (the last) always
     assert [s is not None for s in shown] == [True, False, False, True]
     first, last = (parse_progress_line(line) for line in printed)
-    assert first["stage"] == "bootstrap" and first["eta"] == "0:00:12"  # 4 s a step, 3 left
+    assert first["stage"] == "bootstrap" and first["elapsed"] == "0:00:04" and first["eta"] == "-"  # no pace yet
     assert last["step"] == 4 and last["elapsed"] == "0:00:30" and last["eta"] == "0:00:00"
     assert (tmp_path / "run" / "progress.log").read_text().splitlines() == printed
+
+
+def test_stage_progress_eta_leaves_out_what_came_before_the_first_step(monkeypatch):
+    import agentrl.driver.progress as progress
+
+    clock = iter([0.0, 60.0, 62.0, 64.0])  # made, a minute of set-up, then 2 s a step
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    printed: list[str] = []
+    bar = progress.StageProgress("sft", every_s=0.0, log=printed.append)
+    for step in (1, 2, 3):
+        bar.update(step, 10, {})
+    assert [parse_progress_line(line)["eta"] for line in printed] == ["-", "0:00:16", "0:00:14"]
+    assert parse_progress_line(printed[-1])["elapsed"] == "0:01:04"
 
 
 def test_rl_lines_name_their_stage_and_go_to_the_log_file_under_the_bar_too(tmp_path):

@@ -33,14 +33,15 @@ def format_duration(seconds: float) -> str:
     return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}"
 
 
-def progress_line(stage: str, step: int, total: int, fields: dict[str, Any], elapsed: float, eta: float) -> str:
-    """One progress line; ``fields`` are shown as given (format numbers before).
+def progress_line(stage: str, step: int, total: int, fields: dict[str, Any], elapsed: float, eta: float | None) -> str:
+    """One progress line; ``fields`` are shown as given (format numbers before); an ``eta`` of
+    None (no pace known yet) shows as ``-``.
 
     >>> progress_line("sft", 120, 694, {"epoch": 1, "loss": "0.5083"}, 25.2, 119.6)
     'sft step 120/694  epoch 1  loss 0.5083  elapsed 0:00:25  eta 0:02:00'
     """
     parts = [f"{stage} step {step}/{total}", *(f"{key} {value}" for key, value in fields.items()),
-             f"elapsed {format_duration(elapsed)}", f"eta {format_duration(eta)}"]
+             f"elapsed {format_duration(elapsed)}", f"eta {'-' if eta is None else format_duration(eta)}"]
     return "  ".join(parts)
 
 
@@ -79,8 +80,8 @@ class StageProgress:
     """Plain progress lines of one stage (``bootstrap``, ``sft``): ``update(step, total, fields)``
     after each step writes one through ``log`` and to ``log_file`` when the first or last step is
     done or ``every_s`` have passed since the last line. ``elapsed`` counts from when the object is
-    made; the ETA is the steps left at the pace since the first update (what comes before the
-    first step, such as building the data, is not a step's pace)."""
+    made; the ETA is the steps left at the pace since the first update (``-`` on the first line:
+    what comes before the first step, such as building the data, is not a step's pace)."""
 
     def __init__(self, stage: str, *, every_s: float = 5.0, log: Callable[[str], Any] = print,
                  log_file: str | Path | None = None) -> None:
@@ -102,7 +103,7 @@ class StageProgress:
         self._last_print = now
         elapsed = now - self._t0
         t1, s1 = self._first
-        eta = eta_seconds(now - t1, step - s1, total - step) if step > s1 else eta_seconds(elapsed, step, total - step)
+        eta = eta_seconds(now - t1, step - s1, total - step) if step > s1 else (0.0 if step >= total else None)
         line = progress_line(self.stage, step, total, fields, elapsed, eta)
         self.log(line)
         append_line(self.log_file, line)
