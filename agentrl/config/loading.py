@@ -139,6 +139,12 @@ class SFTConfig(Section):
     for LongRecall: the skill is learned on cheap short episodes, then used on long ones)."""
     output_dir: str = ".cache/sft-model"
     """Where the warm-started model is written (HF format); reused when present."""
+    num_threads: int | None = Field(None, ge=1)
+    """torch threads of `agentrl train`'s own training before RL: the tiny model's induction
+    pre-stage and the SFT (None: torch's default, one per core). 1 keeps a small model's many short
+    operations from waiting on a second thread that another process holds: on 2 shared cores a
+    busy machine slowed two-thread steps 60-fold; one thread keeps the pace at any load and gives
+    the same result on any number of cores."""
 
 
 class EvalConfig(Section):

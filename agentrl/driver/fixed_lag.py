@@ -46,7 +46,8 @@ def fixed_lag_loop(tr: Any, logger: Any) -> dict[str, Any]:
         return tr.step < cfg.train.num_steps and not (
             cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s)
 
-    with TrainProgress(cfg.train.num_steps, start=tr.step, mode="auto" if tr.progress else "lines") as bar:
+    with TrainProgress(cfg.train.num_steps, start=tr.step, mode="auto" if tr.progress else "lines",
+                       log_file=tr.run_dir / "progress.log") as bar:
         while may_start():
             stop_if_signalled()
             k = tr.step

@@ -199,7 +199,8 @@ def run_loop(tr: Any, logger: Any, mode: Sequential | Overlapped) -> dict[str, A
             cfg.train.time_limit_s and time.perf_counter() - t_start > cfg.train.time_limit_s)
 
     # a bar on a terminal; plain lines with --no-progress or when output goes to a file or a pipe
-    with TrainProgress(cfg.train.num_steps, start=tr.step, mode="auto" if tr.progress else "lines") as bar:
+    with TrainProgress(cfg.train.num_steps, start=tr.step, mode="auto" if tr.progress else "lines",
+                       log_file=tr.run_dir / "progress.log") as bar:
         while True:
             stop_if_signalled()
             done = mode.step(may_start, prev_end)

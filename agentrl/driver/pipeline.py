@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from agentrl.config import Config
@@ -18,6 +20,22 @@ def _explicit_ray_auth_mode(cfg: Config) -> None:
     # address keeps its own setting.
     if cfg.cluster.address is None and "ray" not in sys.modules:
         os.environ.setdefault("RAY_AUTH_MODE", "token")
+
+
+@contextlib.contextmanager
+def _torch_threads(n: int | None):
+    """torch's intra-op threads set to ``n`` inside (None: unchanged)."""
+    if n is None:
+        yield
+        return
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[str, Any]:
@@ -41,12 +59,16 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True) -> dict[s
         from agentrl.driver.metrics import require_wandb
 
         require_wandb()
-    model_path = resolve_model_path(cfg)
-    summary: dict[str, Any] = {}
-    if cfg.sft.enabled:
-        from agentrl.driver.sft import run_sft
+    from agentrl.driver.progress import StageProgress
 
-        model_path = str(run_sft(cfg))
+    log_file = Path(cfg.run_dir) / "progress.log"  # every stage's progress lines, beside the terminal's
+    with _torch_threads(cfg.sft.num_threads):
+        model_path = resolve_model_path(cfg, progress=StageProgress("bootstrap", log_file=log_file).update)
+        if cfg.sft.enabled:
+            from agentrl.driver.sft import run_sft
+
+            model_path = str(run_sft(cfg, log_file=log_file))
+    summary: dict[str, Any] = {}
     trainer = Trainer(cfg, model_path=model_path, resume=resume, progress=progress)
     try:
         summary.update(trainer.run())

@@ -96,7 +96,9 @@ def build_demonstrations(
 
 def _fingerprint(cfg: "Config", model_path: str) -> str:
     # (a default observation_loss_weight is left out: caches made before the key existed stay valid)
-    sft = cfg.sft.model_dump(exclude={"observation_loss_weight"} if not cfg.sft.observation_loss_weight else None)
+    # (as is a num_threads left to torch's default)
+    sft = cfg.sft.model_dump(exclude={key for key, unset in (("observation_loss_weight", not cfg.sft.observation_loss_weight),
+                                                             ("num_threads", cfg.sft.num_threads is None)) if unset})
     parts = {"sft": sft, "env": cfg.env.model_dump(), "model": model_path, "seed": cfg.seed}
     if cfg.rollout.tool_parser != "auto":  # (absent when auto: caches made before the key existed stay valid)
         parts["tool_parser"] = cfg.rollout.tool_parser
@@ -104,14 +106,16 @@ def _fingerprint(cfg: "Config", model_path: str) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
-    """Train (or reuse) the warm-started model; returns its HF directory."""
+def run_sft(cfg: "Config", *, model_path: str | None = None, log=print, log_file: str | Path | None = None) -> Path:
+    """Train (or reuse) the warm-started model; returns its HF directory. Progress lines (``sft step
+    S/T ... eta``) go to ``log`` and ``log_file``."""
     import torch
     from transformers import AutoTokenizer
 
     from agentrl.rollout.chat import ChatRenderer
     from agentrl.env.ids import check_env
     from agentrl.learner.hf_forward import packed_token_logprobs
+    from agentrl.driver.progress import StageProgress
     from agentrl.model.loading import copy_tokenizer_files, load_hf_model, resolve_model_path
     from agentrl.learner.optim import adamw, plateau_schedule
     from agentrl.learner.packing import make_microbatches, pack_sequences
@@ -150,6 +154,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
     sched = plateau_schedule(opt, total)
     rng = random.Random(cfg.seed)
     t0, step = time.perf_counter(), 0
+    bar = StageProgress("sft", log=log, log_file=log_file)
     for epoch in range(sc.num_epochs):
         rng.shuffle(batches)
         for batch in batches:
@@ -170,9 +175,7 @@ def run_sft(cfg: "Config", *, model_path: str | None = None, log=print) -> Path:
             opt.step()
             sched.step()
             step += 1
-            if step % 10 == 0 or step == total:
-                log(f"sft: epoch {epoch + 1}/{sc.num_epochs} step {step}/{total} loss {loss.item():.4f} "
-                    f"({time.perf_counter() - t0:.0f}s)")
+            bar.update(step, total, {"epoch": epoch + 1, "loss": f"{loss.item():.4f}"})
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

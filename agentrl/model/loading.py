@@ -75,9 +75,9 @@ def copy_tokenizer_files(src: str | Path, dst: str | Path) -> list[str]:
     return copied
 
 
-def resolve_model_path(cfg: "Config") -> str:
+def resolve_model_path(cfg: "Config", progress=None) -> str:
     """The model directory a run starts from; makes the tiny model there if ``model.bootstrap_tiny``
-    asks for one. Raises ConfigError before any actor starts when the path is not a model, or holds a
+    asks for one (``progress``: see :func:`agentrl.model.tiny.bootstrap_tiny`). Raises ConfigError before any actor starts when the path is not a model, or holds a
     tiny model made with other settings than the config's."""
     from agentrl.config import ConfigError
 
@@ -86,7 +86,7 @@ def resolve_model_path(cfg: "Config") -> str:
         if cfg.model.bootstrap_tiny:
             from agentrl.model.tiny import bootstrap_tiny
 
-            bootstrap_tiny(path, seed=cfg.seed, family=cfg.model.family, **cfg.model.tiny.model_dump())
+            bootstrap_tiny(path, seed=cfg.seed, family=cfg.model.family, progress=progress, **cfg.model.tiny.model_dump())
         else:
             raise ConfigError(
                 f"model.path: '{path}' is not a Hugging Face model directory (no config.json). "

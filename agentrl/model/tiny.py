@@ -141,6 +141,7 @@ def bootstrap_tiny(
     induction_steps: int = 0,
     induction_lr: float = 3e-3,
     log=print,
+    progress=None,
 ) -> Path:
     """Write a tiny random model of ``family`` (qwen2, qwen3, qwen3_moe, llama3, mistral), its
     tokenizer and chat template to ``out_dir``.
@@ -215,7 +216,7 @@ def bootstrap_tiny(
     stamp = {"family": family, "seed": seed}
     if induction_steps:
         stamp["induction"] = pretrain_induction(model, tokenizer, steps=induction_steps, lr=induction_lr,
-                                                seed=seed, log=log)
+                                                seed=seed, log=log, progress=progress)
     model.save_pretrained(out, safe_serialization=True)
     (out / STAMP).write_text(json.dumps(stamp))
     return out
@@ -238,7 +239,7 @@ def induction_batch(rng: random.Random, token_ids: list[int], batch_tokens: int,
 
 
 def pretrain_induction(model, tokenizer, *, steps: int, lr: float = 3e-3, batch_tokens: int = 2048,
-                       span: tuple[int, int] = (16, 128), seed: int = 0, log=print) -> dict:
+                       span: tuple[int, int] = (16, 128), seed: int = 0, log=print, progress=None) -> dict:
     """Train ``model`` in place to continue a repeated block of random tokens (the standard
     setting in which small transformers form induction heads: a previous-token head and a head
     that attends to the token after an earlier occurrence of the current one, then copies it).
@@ -278,7 +279,9 @@ def pretrain_induction(model, tokenizer, *, steps: int, lr: float = 3e-3, batch_
         sched.step()
         p_copy = float((logp.detach().exp() * mask).sum() / mask.sum())
         recent = (recent + [(loss.item(), p_copy)])[-50:]
-        if (step + 1) % 100 == 0 or step + 1 == steps:
+        if progress is not None:
+            progress(step + 1, steps, {"loss": f"{loss.item():.3f}", "P(copy)": f"{p_copy:.3f}"})
+        elif (step + 1) % 100 == 0 or step + 1 == steps:
             log(f"induction: step {step + 1}/{steps} loss {loss.item():.3f} P(copy) {p_copy:.3f} "
                 f"({time.perf_counter() - t0:.0f}s)")
     model.eval()
