@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import hashlib
 import random
+import shutil
+import tempfile
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -245,6 +248,7 @@ class _Driver:
 
     def __init__(self, cfg, delays: _Delays, num_workers: int) -> None:
         self.cfg, self.step, self.version, self.progress = cfg, 0, 0, False
+        self.run_dir = Path(tempfile.mkdtemp(prefix="fixed-lag-"))  # the loop's progress.log goes here
         self.queue = FixedLagQueue(cfg.replay.capacity, cfg.replay.lag, cfg.replay.groups_per_step, seed_offset=7)
         self.replay, self.engine, self.learner = _Replay(self.queue), _Engine(delays), _Learner(delays)
         self.actors = SimpleNamespace(replay=self.replay, learner=self.learner, watchdog=None)
@@ -265,6 +269,7 @@ class _Driver:
             self.replay.stop()
             for w in self.workers:
                 w.join(timeout=TIMEOUT_S)
+            shutil.rmtree(self.run_dir, ignore_errors=True)
         return self.supervisor.consumed, self.learner.weights, logger.rows
 
 
